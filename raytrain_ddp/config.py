@@ -1,0 +1,200 @@
+"""The one configuration object shared by the CLI, TOML files and the Python API.
+
+Every field of :class:`TrainConfig` is a command-line flag (``num_workers`` is
+``--num-workers``) and a key in a TOML file (``--config run.toml``); flags given
+on the command line override the file. ``validate()`` checks the values the
+same way for all three entry points, raising :class:`ConfigError` with one line
+that names the flag and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from raytrain_ddp.errors import ConfigError
+
+BUILTIN_MODELS = ("cnn", "resnet18", "resnet50", "mlp")
+BUILTIN_DATASETS = ("synthetic", "synthetic-tabular")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def _flag(help: str, **extra: Any) -> dict:
+    return {"help": help, **extra}
+
+
+@dataclass
+class TrainConfig:
+    """A training run, fully described. Defaults are the built-in first run."""
+
+    # Cluster and workers
+    num_workers: int = field(default=2, metadata=_flag("training workers (one per GPU with --use-gpu)"))
+    use_gpu: bool = field(default=False, metadata=_flag("one GPU per worker, NCCL; CPU and gloo otherwise"))
+    cpus_per_worker: float = field(default=1.0, metadata=_flag("CPUs reserved for each training worker"))
+    address: Optional[str] = field(
+        default=None,
+        metadata=_flag("Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray)"),
+    )
+    # Model and data
+    model: str = field(default="cnn", metadata=_flag("model", choices=BUILTIN_MODELS))
+    dataset: str = field(default="synthetic", metadata=_flag("built-in dataset, used when --data is not given", choices=BUILTIN_DATASETS))
+    data: Optional[str] = field(default=None, metadata=_flag("Parquet dataset directory with train/ and val/ (see `python -m raytrain_ddp.data`)"))
+    train_data: Optional[str] = field(default=None, metadata=_flag("Parquet files or glob for training (instead of --data)"))
+    val_data: Optional[str] = field(default=None, metadata=_flag("Parquet files or glob for validation (instead of --data)"))
+    image_column: str = field(default="image", metadata=_flag("column holding encoded images"))
+    label_column: str = field(default="label", metadata=_flag("column holding integer class labels"))
+    feature_columns: Optional[str] = field(default=None, metadata=_flag("comma-separated numeric columns for tabular data"))
+    train_size: int = field(default=8192, metadata=_flag("rows of the built-in training set"))
+    val_size: int = field(default=2048, metadata=_flag("rows of the built-in validation set"))
+    # Optimisation
+    epochs: int = field(default=5, metadata=_flag("passes over the training set"))
+    batch_size: int = field(default=64, metadata=_flag("per-worker batch; the global batch is this x --num-workers"))
+    lr: float = field(default=0.05, metadata=_flag("learning rate"))
+    optimizer: str = field(default="sgd", metadata=_flag("optimizer", choices=OPTIMIZERS))
+    momentum: float = field(default=0.9, metadata=_flag("SGD momentum"))
+    weight_decay: float = field(default=5e-4, metadata=_flag("weight decay"))
+    seed: int = field(default=0, metadata=_flag("seed for data generation, shuffling and model init"))
+    # Run directory and checkpoints
+    storage_path: str = field(default="runs", metadata=_flag("where run directories go (shared storage on a cluster)"))
+    name: Optional[str] = field(default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)"))
+    num_to_keep: int = field(default=2, metadata=_flag("best checkpoints to keep, by validation accuracy"))
+    # Robustness
+    max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
+    collective_timeout_s: int = field(default=600, metadata=_flag("seconds a DDP collective may wait before it fails"))
+    record_sample_ids: bool = field(default=False, metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"))
+    # Console
+    verbose: bool = field(default=False, metadata=_flag("show Ray's own logs and worker logs on the console"))
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def global_batch_size(self) -> int:
+        """What DDP really trains with: every worker's batch, averaged together."""
+        return self.batch_size * self.num_workers
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.storage_path) / self.name
+
+    @property
+    def uses_parquet(self) -> bool:
+        return bool(self.data or self.train_data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> "TrainConfig":
+        """Check every value; fill in the run name. Raises ConfigError."""
+        _at_least("--num-workers", self.num_workers, 1)
+        _at_least("--batch-size", self.batch_size, 1)
+        _at_least("--epochs", self.epochs, 1)
+        _at_least("--train-size", self.train_size, 1)
+        _at_least("--val-size", self.val_size, 1)
+        _at_least("--num-to-keep", self.num_to_keep, 1)
+        _at_least("--max-failures", self.max_failures, 0)
+        _at_least("--collective-timeout-s", self.collective_timeout_s, 1)
+        if not self.cpus_per_worker > 0:
+            raise ConfigError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        for flag_name, value, allowed in (
+            ("--model", self.model, BUILTIN_MODELS),
+            ("--dataset", self.dataset, BUILTIN_DATASETS),
+            ("--optimizer", self.optimizer, OPTIMIZERS),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}")
+        if self.data and (self.train_data or self.val_data):
+            raise ConfigError("give either --data DIR or --train-data/--val-data, not both")
+        if bool(self.train_data) != bool(self.val_data):
+            raise ConfigError("--train-data and --val-data go together")
+        if self.name is None:
+            self.name = "run-" + _timestamp()
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ConfigError(f"--name {self.name!r} may hold only letters, digits, '.', '_' and '-'")
+        self.storage_path = _check_storage_path(self.storage_path)
+        return self
+
+
+def _at_least(flag_name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{flag_name} must be at least {minimum}, got {value}")
+
+
+def _timestamp() -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _check_storage_path(storage_path: str) -> str:
+    """Make the storage path absolute and prove it is writable, before Ray starts."""
+    if "://" in storage_path:
+        return storage_path  # a remote filesystem: Ray Train checks it itself
+    path = Path(storage_path).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--storage-path {storage_path!r} is not writable: {err.strerror or err}") from None
+    return str(path)
+
+
+# ---------------------------------------------------------------- TOML files
+def load_toml(path: str) -> dict:
+    """Read a TOML config file into a dict of known fields. Raises ConfigError."""
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except OSError as err:
+        raise ConfigError(f"--config {path!r} cannot be read: {err.strerror or err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config {path!r} is not valid TOML: {err}") from None
+    known = {f.name: f for f in fields(TrainConfig)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"--config {path!r}: unknown key {key!r}")
+        expected = _field_type(known[key])
+        if not _fits(value, expected):
+            raise ConfigError(f"--config {path!r}: {key} must be {expected.__name__}, got {value!r}")
+    return values
+
+
+def to_toml(config: TrainConfig) -> str:
+    """The config as a TOML file that `--config` reads back (None values are left out)."""
+    lines = []
+    for key, value in config.to_dict().items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The plain type of a field: int, float, bool or str (Optional is unwrapped)."""
+    annotation = str(f.type)
+    for candidate in (bool, int, float, str):
+        if candidate.__name__ in annotation:
+            return candidate
+    raise TypeError(f"unsupported config field type {annotation}")
+
+
+def _fits(value: Any, expected: type) -> bool:
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)

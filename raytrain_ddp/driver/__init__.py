@@ -1,0 +1,1 @@
+"""The driver side: CLI, preflight, Ray Train set-up, progress and the run report."""

@@ -1,0 +1,238 @@
+"""`fit(config)`: one training run from the driver, start to summary.
+
+Connect to Ray (or start it), check the request fits, build the Ray Data
+datasets, hand the worker loop to Ray Train's ``TorchTrainer``, watch the
+workers' news while it runs, and write ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import ray.data
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raytrain_ddp.config import TrainConfig, to_toml
+from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data
+from raytrain_ddp.driver import preflight
+from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
+from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.models import check_model_fits_data
+from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
+from raytrain_ddp.worker.loop import train_loop_per_worker
+
+log = logging.getLogger("raytrain_ddp")
+
+POLL_INTERVAL_S = 0.5
+QUIET_ENV = {
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+}
+
+
+@dataclass
+class FitResult:
+    """What a run left behind: its directory, summary and per-epoch records."""
+
+    run_dir: Path
+    summary: dict
+    epochs: list[dict]
+
+    @property
+    def ok(self) -> bool:
+        return self.summary["status"] == "finished"
+
+    @property
+    def best_checkpoint(self) -> str | None:
+        return self.summary.get("best_checkpoint")
+
+    @property
+    def final_metrics(self) -> dict:
+        return self.summary.get("final_metrics") or {}
+
+
+def connect(config: TrainConfig) -> str | None:
+    """Join the cluster at --address / $RAY_ADDRESS, or start a local Ray. Returns the dashboard URL."""
+    os.environ.update(QUIET_ENV)
+    if not config.verbose:  # Ray's own INFO lines stay in its session logs, off the console
+        for noisy in ("ray", "ray.data", "ray.train"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", module="ray")
+    if not ray.is_initialized():
+        address = config.address or os.environ.get("RAY_ADDRESS")
+        quiet = logging.INFO if config.verbose else logging.ERROR
+        options = dict(logging_level=quiet, log_to_driver=config.verbose,
+                       runtime_env={"env_vars": QUIET_ENV})
+        try:
+            if address:
+                context = ray.init(address=address, **options)
+            else:
+                cpus = preflight.local_cpus(config)
+                log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
+                context = ray.init(address="local", include_dashboard=True, num_cpus=cpus, **options)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"cannot connect to the Ray cluster at {address or 'a new local instance'}: {first_line}") from None
+        url = context.dashboard_url
+    else:
+        url = ray.get_runtime_context().gcs_address and ray.worker.get_dashboard_url()
+    ray.data.DataContext.get_current().enable_progress_bars = config.verbose
+    return f"http://{url}" if url and not url.startswith("http") else url
+
+
+def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[dict]) -> None:
+    log.info("Ray cluster: %d node(s): %s", len(nodes), preflight.describe(nodes))
+    if dashboard_url:
+        log.info("Ray dashboard: %s", dashboard_url)
+    device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
+    log.info("Training %s on %s with %d workers x %s, %d epochs", config.model,
+             config.data or config.train_data or config.dataset, config.num_workers, device, config.epochs)
+    log.info("Global batch = %d per worker x %d workers = %d (what DDP really trains with)",
+             config.batch_size, config.num_workers, config.global_batch_size)
+    log.info("Run directory: %s", config.run_dir)
+
+
+def _prepare_run_dir(config: TrainConfig) -> Path:
+    run_dir = config.run_dir
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists() and json.loads(summary_path.read_text()).get("status") == "finished":
+        raise ConfigError(f"run {config.name!r} already finished in {run_dir}; choose a new --name to train again")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(config))
+    return run_dir
+
+
+def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
+    """Console output for scripts and notebooks that set up no logging; a full log in the run dir."""
+    if not logging.getLogger().handlers and not log.handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log.setLevel(logging.INFO)
+    log_file = logging.FileHandler(run_dir / "driver.log")
+    log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(log_file)
+    return log_file
+
+
+def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor) -> TorchTrainer:
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor},
+        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
+                                     resources_per_worker={"CPU": config.cpus_per_worker}),
+        run_config=RunConfig(
+            name=config.name, storage_path=config.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=config.num_to_keep,
+                                               checkpoint_score_attribute="val_accuracy",
+                                               checkpoint_score_order="max"),
+            failure_config=FailureConfig(max_failures=config.max_failures),
+        ),
+        torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
+        datasets=datasets,
+        dataset_config=ShardingDataConfig(),
+    )
+
+
+def _watch(monitor, recorder: RunRecorder, stop: threading.Event) -> None:
+    """Drain the monitor until training ends, then once more for the last news."""
+    while not stop.wait(POLL_INTERVAL_S):
+        recorder.consume(ray.get(monitor.drain.remote()))
+    recorder.consume(ray.get(monitor.drain.remote()))
+
+
+def fit(config: TrainConfig) -> FitResult:
+    """Train as `config` says; return where the results are. Raises ConfigError on bad input."""
+    config.validate()
+    started = time.time()
+    plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
+    check_model_fits_data(config.model, plan.spec.input_shape)
+    dashboard_url = connect(config)
+    nodes = preflight.node_table()
+    preflight.check_fits(config, nodes)
+    run_dir = _prepare_run_dir(config)
+    log_file = _log_to_console_and_file(run_dir)
+    try:
+        return _train(config, plan, run_dir, dashboard_url, nodes, started)
+    finally:
+        log.removeHandler(log_file)
+        log_file.close()
+
+
+def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: str | None,
+           nodes: list[dict], started: float) -> FitResult:
+    _describe_start(config, dashboard_url, nodes)
+
+    datasets = build_datasets(config, plan)
+    monitor = start_monitor()
+    recorder = RunRecorder(run_dir, config.num_workers, config.epochs)
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop), daemon=True)
+    watcher.start()
+    error, result = None, None
+    try:
+        result = _make_trainer(config, datasets, plan.spec, monitor).fit()
+    except ray.train.TrainingFailedError as err:
+        error = _describe_failure(err)
+    finally:
+        stop.set()
+        watcher.join()
+        ray.kill(monitor)
+
+    summary = _summary(config, recorder, result, error, time.time() - started)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if error:
+        log.error("Training failed: %s", error)
+    else:
+        log.info("Finished %d epochs in %.0fs; best checkpoint: %s", summary["epochs_completed"],
+                 summary["seconds"], summary["best_checkpoint"])
+    return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
+
+
+def _describe_failure(err: Exception) -> str:
+    """One line per failed rank: its exception's last line, not Ray's whole traceback."""
+    failures = getattr(err, "worker_failures", None) or {}
+    if not failures:
+        return _last_line(str(err))
+    return "; ".join(f"rank {rank}: {_last_line(str(exc))}" for rank, exc in sorted(failures.items()))
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
+def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | None, seconds: float) -> dict:
+    epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
+    best_checkpoint, best_metrics = None, None
+    if result is not None and result.best_checkpoints:
+        checkpoint, best_metrics = max(result.best_checkpoints, key=lambda pair: pair[1]["val_accuracy"])
+        best_checkpoint = os.path.join(checkpoint.path, CHECKPOINT_FILE)
+    checksums = [recorder.checksums.get(rank) for rank in range(config.num_workers)]
+    return {
+        "status": "failed" if error else "finished",
+        "error": error,
+        "name": config.name,
+        "run_dir": str(recorder.run_dir),
+        "epochs_completed": len(epochs),
+        "epochs_requested": config.epochs,
+        "world_size": config.num_workers,
+        "per_worker_batch_size": config.batch_size,
+        "global_batch_size": config.global_batch_size,
+        "workers": [recorder.workers[rank] for rank in sorted(recorder.workers)],
+        "restarts": recorder.restarts,
+        "final_metrics": epochs[-1] if epochs else None,
+        "best_checkpoint": best_checkpoint,
+        "best_metrics": best_metrics,
+        "samples_per_second": (sum(e["samples_per_second"] for e in epochs) / len(epochs)) if epochs else None,
+        "param_checksums": checksums,
+        "replicas_identical": None not in checksums and len(set(checksums)) == 1,
+        "seconds": round(seconds, 2),
+    }

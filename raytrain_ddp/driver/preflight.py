@@ -1,0 +1,73 @@
+"""Fail in seconds, in plain words, when the cluster cannot hold the request.
+
+Left alone, Ray Train waits for resources that will never come (and
+``init_process_group`` would wait for ranks that never start). Here the
+request is packed onto the live nodes first, node by node, before any worker
+is created.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import ray
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.errors import ConfigError
+
+# Ray Data's decode/shuffle tasks need CPUs the training workers do not hold:
+# without one left over, ingest waits for ever and so does training.
+DATA_LOADING_CPUS = 1
+
+
+def node_table() -> list[dict]:
+    """Alive nodes with their total CPUs, GPUs and memory (GiB)."""
+    rows = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        resources = node.get("Resources", {})
+        rows.append({
+            "node_ip": node.get("NodeManagerAddress", "?"),
+            "cpus": resources.get("CPU", 0.0),
+            "gpus": resources.get("GPU", 0.0),
+            "memory_gib": resources.get("memory", 0.0) / 2**30,
+        })
+    return sorted(rows, key=lambda r: r["node_ip"])
+
+
+def workers_that_fit(node: dict, config: TrainConfig) -> int:
+    """How many training workers of this shape one node can hold."""
+    fits = math.floor(node["cpus"] / config.cpus_per_worker + 1e-9)
+    if config.use_gpu:
+        fits = min(fits, math.floor(node["gpus"] + 1e-9))
+    return fits
+
+
+def describe(nodes: list[dict]) -> str:
+    return "; ".join(f"{n['node_ip']}: {n['cpus']:g} CPU, {n['gpus']:g} GPU, {n['memory_gib']:.1f} GiB" for n in nodes)
+
+
+def check_fits(config: TrainConfig, nodes: list[dict]) -> None:
+    """Raise ConfigError naming what was asked, what exists and what would fit."""
+    shape = f"{config.cpus_per_worker:g} CPU" + (" + 1 GPU" if config.use_gpu else "")
+    asked = f"asked for {config.num_workers} workers x {shape}"
+    if config.use_gpu and not any(n["gpus"] for n in nodes):
+        raise ConfigError(f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU")
+    packed = sum(workers_that_fit(n, config) for n in nodes)
+    cpus_left_for_workers = sum(n["cpus"] for n in nodes) - DATA_LOADING_CPUS
+    usable = min(packed, max(math.floor(cpus_left_for_workers / config.cpus_per_worker + 1e-9), 0))
+    if usable < config.num_workers:
+        hint = f"try --num-workers {usable}" if usable else "try a smaller --cpus-per-worker"
+        raise ConfigError(f"{asked}, but the {len(nodes)} node(s) hold {usable} beside "
+                          f"{DATA_LOADING_CPUS} CPU for Ray Data loading ({describe(nodes)}); {hint}")
+
+
+def local_cpus(config: TrainConfig) -> int:
+    """Logical CPUs for a Ray we start here: the cores, or enough for workers + data loading.
+
+    A 2-core laptop still runs 2 workers and the input pipeline; the OS shares the cores.
+    """
+    needed = math.ceil(config.num_workers * config.cpus_per_worker) + DATA_LOADING_CPUS
+    return max(os.cpu_count() or 1, needed)

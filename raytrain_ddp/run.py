@@ -1,0 +1,82 @@
+"""`python -m raytrain_ddp.run` (also `raytrain-ddp`): the command line.
+
+Every flag is a field of TrainConfig; `--config FILE` reads a TOML file of the
+same fields first, and flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import MISSING, fields
+
+from raytrain_ddp.config import TrainConfig, _field_type, load_toml
+from raytrain_ddp.errors import ConfigError
+
+EXAMPLES = """\
+examples:
+  python -m raytrain_ddp.run --num-workers 2                  # CPU, built-in data and model
+  python -m raytrain_ddp.run --num-workers 6 --use-gpu        # one worker per GPU, NCCL
+  python -m raytrain_ddp.run --data /shared/ds --model resnet18 --epochs 10
+  python -m raytrain_ddp.run --config runs/NAME/config.toml   # repeat a run exactly
+
+exit codes: 0 finished, 1 training failed, 2 bad input (nothing was started)
+"""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="python -m raytrain_ddp.run",
+        description="Data-parallel PyTorch training on a Ray cluster (one worker per GPU or CPU slot).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # only flags the user typed reach the config
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file of these settings; flags override it")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f)
+        default = None if f.default is MISSING else f.default
+        help_text = f"{f.metadata['help']} (default: {default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, choices=f.metadata.get("choices"),
+                                metavar=f.name.upper(), help=help_text)
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then the flags. Raises ConfigError."""
+    given = vars(build_parser().parse_args(argv))
+    config_file = given.pop("config", None)
+    values = load_toml(config_file) if config_file else {}
+    values.update(given)
+    return TrainConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        config = config_from_args(argv).validate()
+        from raytrain_ddp.driver.fit import fit  # imports Ray and torch: after the cheap checks
+
+        result = fit(config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The worker side: what runs inside each Ray Train worker process."""

@@ -1,0 +1,118 @@
+"""Helpers for tests that submit real jobs to the local Slurm testbed.
+
+conftest.py's session fixture brings up a 2-node testbed (cluster/testbed/up.sh) and tears it
+down at the end (unless it was already up before the session, e.g. a
+developer's, which is left running). Without root or Slurm the tests are
+skipped -- except under CI=true, where a missing testbed is a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TESTBED = REPO / "cluster" / "testbed"
+SCRIPT = REPO / "cluster" / "start_ray_slurm.sh"
+TESTBED_DIR = Path(os.environ.get("RAYTRAIN_TESTBED_DIR", "/var/lib/raytrain-testbed"))
+NODES = ["rtnode1", "rtnode2"]
+HEAD_NETNS = "/run/netns/rtns1"  # rtnode1 is the first node, hence the Ray head
+
+
+def _unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the Slurm testbed needs root (network namespaces, slurmd)"
+    if sys.platform != "linux":
+        return "the Slurm testbed needs Linux"
+    missing = [b for b in ("slurmctld", "slurmd", "munged", "sbatch", "nsenter", "ip") if not shutil.which(b)]
+    if missing:
+        return f"Slurm testbed tools missing ({', '.join(missing)}); run cluster/testbed/install.sh"
+    return None
+
+
+@dataclasses.dataclass
+class Job:
+    job_id: int
+    returncode: int
+    log: str
+    elapsed: float
+    workdir: Path
+
+
+@dataclasses.dataclass
+class Testbed:
+    __test__ = False  # not a test class, despite the name
+
+    shared: Path  # storage every node sees
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for sbatch: this interpreter's env first on PATH, as a
+        user's activated venv would be; the repo importable without install."""
+        env = dict(os.environ)
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), str(REPO / "tests" / "slurm")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
+        env.setdefault("RAY_OBJECT_STORE_MEMORY", str(100 * 1024 * 1024))
+        for k in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "SLURM_JOB_ID"):
+            env.pop(k, None)
+        env.update(extra)
+        return env
+
+    def workdir(self, name: str) -> Path:
+        d = self.shared / f"{name}-{time.time_ns()}"
+        d.mkdir(parents=True)
+        return d
+
+    def sbatch(
+        self,
+        sbatch_args: list[str],
+        script_args: list[str],
+        *,
+        name: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 600,
+    ) -> Job:
+        """Submit start_ray_slurm.sh with --wait; returns when the job ends."""
+        wd = self.workdir(name)
+        cmd = ["sbatch", "--wait", "--parsable", "--output", str(wd / "job.out"), *sbatch_args, str(SCRIPT), *script_args]
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, cwd=wd, env=env or self.env(), capture_output=True, text=True, timeout=timeout)
+        elapsed = time.monotonic() - t0
+        m = re.match(r"(\d+)", p.stdout.strip())
+        assert m, f"sbatch did not submit: rc={p.returncode}\n{p.stdout}\n{p.stderr}"
+        log_path = wd / "job.out"
+        log = log_path.read_text() if log_path.exists() else ""
+        return Job(int(m.group(1)), p.returncode, log, elapsed, wd)
+
+
+def job_processes(job_id: int) -> list[str]:
+    """Live processes of a job's Ray cluster: tagged by the script, or
+    mentioning the job's Ray temp dirs. (All testbed nodes share one PID
+    namespace, so the host sees every node's processes.)"""
+    found = []
+    tag = f"RAYTRAIN_RAY_TAG=rt-{job_id}-".encode()
+    tmp = f"/tmp/rt{job_id}.".encode()
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                continue
+            cmdline = (p / "cmdline").read_bytes()
+            environ = (p / "environ").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if tag in environ or tmp in cmdline:
+            shown = cmdline.replace(b"\0", b" ")[:200].decode(errors="replace")
+            found.append(f"{p.name}: {shown}")
+    return found

@@ -1,0 +1,184 @@
+"""Real jobs on the local Slurm testbed: cluster/start_ray_slurm.sh end to end.
+
+Run as root after cluster/testbed/install.sh:
+    pytest -m slurm tests/slurm -v
+Ray-starting tests take ~15-60 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_testbed import HEAD_NETNS, NODES, Job, Testbed, job_processes
+
+pytestmark = pytest.mark.slurm
+
+# Two 3-CPU nodes (all the testbed has), no GPUs: one CPU training worker per node.
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=3", "--gpus-per-node=0", "--time=30"]
+SMALL_RUN = ["--epochs", "1", "--train-size", "512", "--val-size", "256"]
+TOKEN_RE = re.compile(r"\b[0-9a-f]{64}\b")  # the per-job token is 32 random bytes in hex
+
+
+def derived_port(job_id: int) -> int:
+    """The GCS port the script derives from a job id (see start_ray_slurm.sh)."""
+    return 20000 + (job_id % 1000) * 10
+
+
+def assert_no_leftovers(job: Job, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := job_processes(job.job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray processes of job {job.job_id} left running:\n" + "\n".join(left)
+    stale = list(Path("/tmp").glob(f"rt{job.job_id}.*"))
+    assert not stale, f"per-job Ray temp dirs not removed: {stale}"
+    assert not (Path.home() / ".raytrain" / f"job-{job.job_id}").exists(), "per-job token dir not removed"
+
+
+def show(job: Job) -> str:
+    return f"job {job.job_id} rc={job.returncode} after {job.elapsed:.1f}s; log:\n{job.log}"
+
+
+def test_srun_hostname_two_nodes(testbed: Testbed) -> None:
+    p = subprocess.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", "hostname"],
+        capture_output=True, text=True, timeout=60, cwd=testbed.shared,
+    )
+    assert p.returncode == 0, p.stderr
+    hosts = sorted(p.stdout.split())
+    assert hosts == NODES, f"expected one task on each of {NODES}, got {hosts}"
+
+
+def test_dry_run_plan(testbed: Testbed) -> None:
+    """The plan alone (no Ray): resources from Slurm, ports from the job id,
+    default storage, loud warning for node-local storage, GPU worker count."""
+    job = testbed.sbatch(TWO_NODES, ["--storage-path", "/tmp/not-shared"], name="dry",
+                         env=testbed.env(RAYTRAIN_DRY_RUN="1"))
+    assert job.returncode == 0, show(job)
+    base = derived_port(job.job_id)
+    assert f"gcs {base}, dashboard {base + 1}" in job.log, show(job)
+    assert "per node: cpus 3 3" in job.log, show(job)
+    assert "expected workers 2" in job.log and "--use-gpu" not in job.log, show(job)
+    assert "WARNING: --storage-path /tmp/not-shared looks node-local" in job.log, show(job)
+
+    job = testbed.sbatch(TWO_NODES, [], name="dry-gpu", env=testbed.env(RAYTRAIN_DRY_RUN="1", RAYTRAIN_GPUS_PER_NODE="3"))
+    assert job.returncode == 0, show(job)
+    assert "--use-gpu" in job.log and "expected workers 6" in job.log, show(job)
+    assert f"run directory: {job.workdir}/runs/raytrain-{job.job_id}" in job.log, show(job)
+    assert "WARNING" not in job.log, show(job)
+
+
+def test_infeasible_worker_count_fails_fast(testbed: Testbed) -> None:
+    job = testbed.sbatch(TWO_NODES, ["--num-workers", "8", *SMALL_RUN], name="infeasible", timeout=120)
+    assert job.returncode != 0, show(job)
+    assert job.elapsed < 30, show(job)
+    line = next((l for l in job.log.splitlines() if "ERROR" in l), "")
+    assert "8" in line and "2" in line, f"error should say what was asked (8) and what exists (2 nodes):\n{show(job)}"
+    assert_no_leftovers(job)
+
+
+def test_train_two_nodes_one_worker_each(testbed: Testbed) -> None:
+    job = testbed.sbatch(TWO_NODES, SMALL_RUN, name="train", timeout=900)
+    assert job.returncode == 0, show(job)
+    log = job.log
+    assert "all 2 node(s) joined" in log, show(job)
+    assert re.search(r"ssh -N -L 8265:198\.18\.0\.11:\d+ ", log), "ssh tunnel command missing"
+    assert "auth_token" in log and not TOKEN_RE.search(log), "token file must be named, the token never printed"
+
+    run_dir = job.workdir / "runs" / f"raytrain-{job.job_id}"
+    assert f"run directory: {run_dir}" in log, show(job)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished", summary
+    assert summary["world_size"] == 2, summary
+    workers = summary["workers"]
+    assert len({w["node_ip"] for w in workers}) == 2, f"workers share a node: {workers}"
+    assert len({w["hostname"] for w in workers}) == 2, f"workers share a host: {workers}"
+    checksums = summary["param_checksums"]
+    assert len(checksums) == 2 and len(set(map(str, checksums))) == 1, f"DDP replicas diverged: {checksums}"
+    best = Path(summary["best_checkpoint"])
+    assert best.exists() and run_dir in best.parents, f"checkpoint {best} not in the shared run dir {run_dir}"
+    assert_no_leftovers(job)
+
+
+def test_port_collision_picks_another_block(testbed: Testbed) -> None:
+    """A job whose derived Ray port is taken on the head node moves to the
+    next free block and still brings up its 2-node Ray cluster."""
+    wd = testbed.workdir("collision")
+    env = testbed.env(RAYTRAIN_MODULE="ray_probe")
+    sub = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES,
+         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh")],
+        cwd=wd, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )
+    job_id = int(sub.stdout.strip().split(";")[0])
+    port = derived_port(job_id)
+    # Occupy the derived GCS port on rtnode1 (the head) from inside its namespace.
+    squatter = subprocess.Popen(
+        ["nsenter", f"--net={HEAD_NETNS}", sys.executable, "-c",
+         "import socket,sys,time; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen();"
+         "print('listening', flush=True); time.sleep(600)", str(port)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        t0 = time.monotonic()
+        subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
+        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() - t0 < 600, "job did not finish"
+            time.sleep(1)
+        assert squatter.poll() is None, "the process holding the port must be left alone"
+    finally:
+        squatter.kill()
+        squatter.wait()
+    log = (wd / "job.out").read_text()
+    job = Job(job_id, 0, log, time.monotonic() - t0, wd)
+    assert f"derived port block {port} was busy" in log, show(job)
+    m = re.search(r"ports: gcs (\d+)", log)
+    assert m and int(m.group(1)) != port, show(job)
+    probe = json.loads((wd / "runs" / f"raytrain-{job_id}" / "probe.json").read_text())
+    assert probe["address"].endswith(f":{m.group(1)}"), probe
+    assert len({n["node_ip"] for n in probe["tasks"]}) == 2, probe
+    assert "trainer exited with code 0" in log, show(job)
+    assert_no_leftovers(job)
+
+
+def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
+    """USR1 (the pre-timeout warning) reaches the trainer; scancel stops
+    every Ray process of the job on every node."""
+    wd = testbed.workdir("cancel")
+    env = testbed.env(RAYTRAIN_MODULE="ray_probe")
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES,
+         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"), "--hold-seconds", "600"],
+        cwd=wd, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )
+    job_id = int(sub.stdout.strip().split(";")[0])
+    run_dir = wd / "runs" / f"raytrain-{job_id}"
+    t0 = time.monotonic()
+    log_path = wd / "job.out"
+    try:
+        while "probe: holding" not in (log_path.read_text() if log_path.exists() else ""):
+            assert time.monotonic() - t0 < 300, "probe never started:\n" + (log_path.read_text() if log_path.exists() else "")
+            time.sleep(1)
+        assert job_processes(job_id), "Ray processes of the running job should be visible"
+        subprocess.run(["scancel", "--batch", "--signal=USR1", str(job_id)], check=True, timeout=30)
+        deadline = time.monotonic() + 30
+        while not (run_dir / "got_usr1").exists():
+            assert time.monotonic() < deadline, "USR1 was not forwarded to the trainer:\n" + log_path.read_text()
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", str(job_id)], timeout=30)
+    deadline = time.monotonic() + 120
+    while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, "cancelled job did not end"
+        time.sleep(1)
+    log = log_path.read_text()
+    job = Job(job_id, -1, log, time.monotonic() - t0, wd)
+    assert "forwarding to the trainer" in log, show(job)
+    assert_no_leftovers(job, timeout=40)

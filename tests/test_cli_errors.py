@@ -1,0 +1,94 @@
+"""Bad input: one line naming the flag and what is allowed, exit code 2, nothing started or written."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+
+
+def _write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+CASES = [
+    # (id, args, what the one line must say)
+    ("zero-workers", ["--num-workers", "0"], "--num-workers must be at least 1, got 0"),
+    ("negative-workers", ["--num-workers", "-3"], "--num-workers must be at least 1, got -3"),
+    ("zero-batch", ["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    ("zero-epochs", ["--epochs", "0"], "--epochs must be at least 1"),
+    ("negative-lr", ["--lr", "-0.1"], "--lr must be > 0"),
+    ("zero-cpus", ["--cpus-per-worker", "0"], "--cpus-per-worker must be > 0"),
+    ("unknown-model", ["--model", "vgg99"], "argument --model: invalid choice: 'vgg99'"),
+    ("unknown-dataset", ["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    ("unknown-optimizer", ["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
+    ("not-a-number", ["--epochs", "three"], "argument --epochs: invalid int value: 'three'"),
+    ("unknown-flag", ["--num-gpus", "2"], "unrecognized arguments: --num-gpus 2"),
+    ("bad-name", ["--name", "../escape"], "--name '../escape' may hold only letters"),
+    ("half-explicit-data", ["--train-data", "/x/train"], "--train-data and --val-data go together"),
+    ("data-and-explicit", ["--data", "/x", "--train-data", "/x/t", "--val-data", "/x/v"], "either --data DIR or --train-data/--val-data"),
+]
+
+
+@pytest.mark.parametrize("args, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_flag_is_one_line_and_exit_2(tmp_path, args, message):
+    result = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), *args, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_unreadable_config_file(tmp_path):
+    result = run_cli("raytrain_ddp.run", "--config", str(tmp_path / "missing.toml"), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: --config '{tmp_path / 'missing.toml'}' cannot be read: No such file or directory"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num_workers = [", "is not valid TOML"),
+    ("num_wrokers = 2\n", "unknown key 'num_wrokers'"),
+    ('num_workers = "two"\n', "num_workers must be int, got 'two'"),
+    ("num_workers = 0\n", "--num-workers must be at least 1, got 0"),
+], ids=["syntax", "unknown-key", "wrong-type", "bad-value"])
+def test_bad_config_file(tmp_path, text, message):
+    config = _write(tmp_path / "run.toml", text)
+    result = run_cli("raytrain_ddp.run", "--config", config, "--storage-path", str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+
+
+def test_unwritable_storage_path(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_cli("raytrain_ddp.run", "--storage-path", str(blocker / "runs"), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: --storage-path '{blocker / 'runs'}' is not writable")
+
+
+def test_flags_override_config_file(tmp_path):
+    from raytrain_ddp.run import config_from_args
+
+    config = _write(tmp_path / "run.toml", "epochs = 7\nbatch_size = 32\nmodel = \"mlp\"\n")
+    resolved = config_from_args(["--config", config, "--epochs", "3"])
+    assert (resolved.epochs, resolved.batch_size, resolved.model) == (3, 32, "mlp")
+
+
+def test_saved_config_reads_back_identically(tmp_path):
+    from raytrain_ddp.config import TrainConfig, load_toml, to_toml
+
+    original = TrainConfig(num_workers=3, lr=0.2, name="x", storage_path=str(tmp_path), data="/d/s")
+    saved = _write(tmp_path / "config.toml", to_toml(original))
+    assert TrainConfig(**load_toml(saved)) == original
+
+
+def test_help_lists_every_flag_with_examples():
+    result = run_cli("raytrain_ddp.run", "--help", timeout=60)
+    assert result.returncode == 0
+    for flag in ("--num-workers", "--use-gpu", "--cpus-per-worker", "--model", "--dataset", "--epochs",
+                 "--batch-size", "--lr", "--optimizer", "--seed", "--storage-path", "--name",
+                 "--num-to-keep", "--config", "--address"):
+        assert flag in result.stdout
+    assert "examples:" in result.stdout and "global batch" in result.stdout

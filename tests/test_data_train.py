@@ -1,0 +1,168 @@
+"""Parquet data through Ray Data into 2 real DDP workers: sharding semantics, round trip, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from conftest import run_cli
+from raytrain_ddp.data import synthetic
+from raytrain_ddp.data.prepare import write_tabular
+
+FEATURES = ",".join(synthetic.FEATURE_NAMES)
+
+
+@pytest.fixture(scope="module")
+def tabular_data(tmp_path_factory) -> Path:
+    """1203 rows with unique ids, several files and row groups."""
+    rows = synthetic.tabular_rows(np.arange(1203), seed=3)
+    out = tmp_path_factory.mktemp("data") / "tabular"
+    write_tabular({name: rows[name] for name in synthetic.FEATURE_NAMES}, rows["label"], str(out),
+                  val_fraction=0.2, seed=0, rows_per_file=300, row_group_size=100)
+    return out
+
+
+def _train_ids(data: Path) -> set[int]:
+    return set(pq.ParquetDataset(str(data / "train")).read(columns=["id"]).column("id").to_pylist())
+
+
+def _fit_recording_ids(data: Path, storage: Path, name: str, seed: int = 0):
+    from raytrain_ddp import TrainConfig, fit
+
+    result = fit(TrainConfig(num_workers=2, epochs=2, data=str(data), feature_columns=FEATURES, model="mlp",
+                             batch_size=32, record_sample_ids=True, seed=seed, storage_path=str(storage), name=name))
+    assert result.ok, result.summary["error"]
+    return result
+
+
+def _seen(result, epoch: int, rank: int) -> np.ndarray:
+    return np.load(result.run_dir / "sample_ids" / f"epoch-{epoch}-rank-{rank}.npy")
+
+
+@pytest.fixture(scope="module")
+def recorded_runs(ray_address, tabular_data, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("runs")
+    first = _fit_recording_ids(tabular_data, storage, "first")
+    again = _fit_recording_ids(tabular_data, storage, "again")
+    other_seed = _fit_recording_ids(tabular_data, storage, "other-seed", seed=1)
+    return first, again, other_seed
+
+
+@pytest.mark.ray
+def test_shards_are_disjoint_complete_and_equal(recorded_runs, tabular_data):
+    first, *_ = recorded_runs
+    train_ids = _train_ids(tabular_data)
+    for epoch in (1, 2):
+        rank0, rank1 = _seen(first, epoch, 0), _seen(first, epoch, 1)
+        assert len(rank0) == len(rank1)  # equal shards...
+        assert len(set(rank0)) == len(rank0) and len(set(rank1)) == len(rank1)  # no row twice on a rank
+        assert not set(rank0) & set(rank1)  # ...disjoint across ranks...
+        covered = set(rank0) | set(rank1)
+        assert covered <= train_ids and len(train_ids) - len(covered) <= 1  # ...complete but world_size-1 rows
+        record = first.epochs[epoch - 1]
+        assert record["samples_per_rank"] == [len(rank0), len(rank1)]
+        assert record["steps_per_rank"][0] == record["steps_per_rank"][1]  # same steps: no DDP hang
+    assert first.summary["replicas_identical"]
+
+
+@pytest.mark.ray
+def test_each_epoch_reshuffles_across_ranks(recorded_runs):
+    first, *_ = recorded_runs
+    epoch1, epoch2 = _seen(first, 1, 0), _seen(first, 2, 0)
+    assert not np.array_equal(epoch1, epoch2)  # a new order...
+    assert set(epoch1) != set(epoch2)  # ...and a new split of rows between ranks, like DistributedSampler.set_epoch
+
+
+@pytest.mark.ray
+def test_same_seed_same_order_other_seed_other_order(recorded_runs):
+    first, again, other_seed = recorded_runs
+    for epoch in (1, 2):
+        for rank in (0, 1):
+            assert np.array_equal(_seen(first, epoch, rank), _seen(again, epoch, rank))
+    assert not np.array_equal(_seen(first, 1, 0), _seen(other_seed, 1, 0))
+
+
+def _image_folder(root: Path, per_class: int = 60) -> Path:
+    """4 classes of 16x16 PNGs, each class its own dominant colour under noise."""
+    rng = np.random.default_rng(0)
+    colours = np.array([[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40]])
+    for label, colour in enumerate(colours):
+        (root / f"class_{label}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.clip(colour + rng.normal(0, 60, (16, 16, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / f"class_{label}" / f"{i:03d}.png")
+    return root
+
+
+@pytest.mark.ray
+def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
+    images = _image_folder(tmp_path / "images")
+    out = tmp_path / "ds"
+    prepared = run_cli("raytrain_ddp.data", "prepare", "--from", "imagefolder", str(images), "--out", str(out),
+                       "--val-fraction", "0.25", timeout=120)
+    assert prepared.returncode == 0, prepared.stderr
+    inspected = run_cli("raytrain_ddp.data", "inspect", str(out), timeout=60)
+    assert inspected.returncode == 0 and "class_3" in inspected.stdout
+    trained = run_cli("raytrain_ddp.run", "--address", ray_address, "--data", str(out), "--epochs", "3",
+                      "--batch-size", "16", "--storage-path", str(tmp_path / "runs"), "--name", "folder", timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "folder" / "summary.json").read_text())
+    assert summary["final_metrics"]["val_rows"] == 60
+    assert summary["final_metrics"]["val_accuracy"] >= 0.6  # chance is 0.25
+    scored = run_cli("raytrain_ddp.evaluate", summary["best_checkpoint"], "--json", timeout=120)
+    assert scored.returncode == 0, scored.stderr
+    assert abs(json.loads(scored.stdout)["val_accuracy"] - summary["best_metrics"]["val_accuracy"]) <= 1 / 60
+
+
+# ------------------------------------------------------------------ bad data
+def _bad_data(tmp_path: Path, case: str, tabular: Path) -> list[str]:
+    """Flags pointing at one kind of broken data."""
+    target = tmp_path / case
+    target.mkdir()
+    good_train = sorted((tabular / "train").glob("*.parquet"))
+    if case == "missing":
+        return ["--data", str(tmp_path / "nowhere")]
+    if case == "empty":
+        return ["--data", str(target)]
+    if case == "not-parquet":
+        (target / "part-0.parquet").write_text("id,label\n1,2\n")
+        return ["--train-data", str(target / "part-0.parquet"), "--val-data", str(target / "part-0.parquet")]
+    if case == "truncated":
+        data = good_train[0].read_bytes()
+        (target / "part-0.parquet").write_bytes(data[: len(data) // 2])
+        return ["--train-data", str(target / "part-0.parquet"), "--val-data", str(good_train[1]),
+                "--feature-columns", FEATURES, "--model", "mlp"]
+    if case == "missing-column":
+        return ["--data", str(tabular), "--feature-columns", FEATURES, "--label-column", "target", "--model", "mlp"]
+    if case == "string-labels":
+        pq.write_table(pa.table({"f0": [0.1, 0.2], "label": ["cat", "dog"]}), target / "part-0.parquet")
+        return ["--train-data", str(target / "part-0.parquet"), "--val-data", str(target / "part-0.parquet"),
+                "--feature-columns", "f0", "--model", "mlp"]
+    if case == "model-mismatch":
+        return ["--data", str(tabular), "--feature-columns", FEATURES, "--model", "cnn"]
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"),
+    ("empty", "no .parquet files"),
+    ("not-parquet", "not a Parquet file"),
+    ("truncated", "part-0.parquet"),
+    ("missing-column", "'target'"),
+    ("string-labels", "integer"),
+    ("model-mismatch", "--model cnn takes images, but the data is tabular"),
+])
+def test_bad_data_fails_before_anything_starts(tmp_path, tabular_data, case, message):
+    storage = tmp_path / "runs"
+    result = run_cli("raytrain_ddp.run", *_bad_data(tmp_path, case, tabular_data), "--storage-path", str(storage),
+                     "--name", "bad", timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert not (storage / "bad").exists()  # nothing written to the run directory

@@ -1,0 +1,135 @@
+"""The training spine on a real local Ray with 2 CPU workers (gloo DDP)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.ray
+
+SUMMARY_KEYS = {"status", "error", "epochs_completed", "world_size", "global_batch_size", "workers",
+                "final_metrics", "best_checkpoint", "samples_per_second", "param_checksums", "restarts"}
+EPOCH_KEYS = {"epoch", "train_loss", "train_loss_min", "train_loss_max", "val_loss", "val_accuracy",
+              "samples_per_second", "samples_per_rank", "seconds", "val_accuracy_per_rank"}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`python -m raytrain_ddp.run` with the built-in defaults: its own local Ray, dashboard on."""
+    storage = tmp_path_factory.mktemp("runs")
+    result = run_cli("raytrain_ddp.run", "--storage-path", str(storage), "--name", "default", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = storage / "default"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return result, run_dir, summary, epochs
+
+
+def test_console_says_dashboard_global_batch_and_table(default_run):
+    result, *_ = default_run
+    assert "Ray dashboard: http://" in result.stderr
+    assert "Global batch = 64 per worker x 2 workers = 128" in result.stderr
+    assert "train loss (min..max over ranks)" in result.stderr
+    assert "WARNING" not in result.stderr and "INFO" not in result.stderr  # none of Ray's own lines
+
+
+def test_default_run_learns(default_run):
+    *_, summary, epochs = default_run
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 5
+    assert epochs[0]["train_loss"] > 1.0  # starts near chance (ln 10 = 2.3)...
+    assert summary["final_metrics"]["val_accuracy"] >= 0.8  # ...and really learns (chance: 0.1)
+
+
+def test_summary_contract(default_run):
+    _, run_dir, summary, _ = default_run
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 128
+    assert sorted(w["rank"] for w in summary["workers"]) == [0, 1]
+    assert all({"hostname", "node_ip", "device"} <= w.keys() for w in summary["workers"])
+    assert summary["restarts"] == 0
+    assert summary["best_checkpoint"].startswith(str(run_dir))
+
+
+def test_replicas_are_bit_identical(default_run):
+    """Same parameter bytes on every rank after training: DDP averaged the gradients."""
+    *_, summary, _ = default_run
+    checksums = summary["param_checksums"]
+    assert len(checksums) == 2 and None not in checksums
+    assert checksums[0] == checksums[1]
+
+
+def test_every_epoch_has_the_cross_rank_picture(default_run):
+    *_, epochs = default_run
+    assert [e["epoch"] for e in epochs] == [1, 2, 3, 4, 5]
+    for e in epochs:
+        assert EPOCH_KEYS <= e.keys()
+        assert e["train_loss_min"] <= e["train_loss"] <= e["train_loss_max"]
+        assert len(set(e["val_accuracy_per_rank"])) == 1 and len(set(e["val_loss_per_rank"])) == 1
+        # equal shards, together the whole training set (8192 rows split evenly)
+        assert e["samples_per_rank"] == [4096, 4096]
+        assert e["val_rows"] == 2048  # every validation row exactly once
+
+
+def test_run_directory_holds_config_and_best_checkpoint(default_run):
+    _, run_dir, summary, epochs = default_run
+    assert 'num_workers = 2' in (run_dir / "config.toml").read_text()
+    state = torch.load(summary["best_checkpoint"], weights_only=True)
+    assert {"model", "optimizer", "epoch", "metrics", "config"} <= state.keys()
+    best_epoch = max(epochs, key=lambda e: e["val_accuracy"])
+    assert state["metrics"]["val_accuracy"] == best_epoch["val_accuracy"]
+
+
+def test_evaluate_reproduces_recorded_accuracy(default_run):
+    *_, summary, _ = default_run
+    result = run_cli("raytrain_ddp.evaluate", summary["best_checkpoint"], "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    scored = json.loads(result.stdout)
+    assert scored["val_rows"] == 2048
+    assert abs(scored["val_accuracy"] - scored["recorded"]["val_accuracy"]) <= 1 / 2048
+    assert scored["val_loss"] == pytest.approx(scored["recorded"]["val_loss"], rel=1e-4)
+
+
+def test_finished_run_is_not_retrained(default_run):
+    _, run_dir, *_ = default_run
+    result = run_cli("raytrain_ddp.run", "--storage-path", str(run_dir.parent), "--name", "default", timeout=120)
+    assert result.returncode == 2
+    assert "already finished" in result.stderr and "choose a new --name" in result.stderr
+
+
+def test_python_api_uneven_data_on_shared_ray(ray_address, tmp_path):
+    """fit() from Python; train rows that do not split evenly, an odd-sized val split."""
+    from raytrain_ddp import TrainConfig, fit
+
+    result = fit(TrainConfig(num_workers=2, epochs=2, dataset="synthetic-tabular", model="mlp",
+                             train_size=1001, val_size=301, batch_size=50, storage_path=str(tmp_path), name="api"))
+    assert result.ok, result.summary["error"]
+    for epoch in result.epochs:
+        assert epoch["samples_per_rank"] == [500, 500]  # equal shards: one row left out this epoch
+        assert epoch["steps_per_rank"] == [10, 10]  # same step count on every rank: no DDP hang
+        assert epoch["val_rows"] == 301  # validation is exact, even when uneven across ranks
+    assert result.summary["replicas_identical"]
+    assert result.final_metrics["val_accuracy"] > 0.5
+
+
+def test_infeasible_request_fails_in_seconds(ray_address, tmp_path):
+    started = time.monotonic()
+    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "8",
+                     "--storage-path", str(tmp_path), timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert "asked for 8 workers x 1 CPU" in line and "hold 2" in line and "try --num-workers 2" in line
+    assert elapsed < 30  # not Ray Train's 60 s start timeout, nor for ever
+    assert not any(tmp_path.iterdir())
+
+
+def test_gpu_request_without_gpus_fails_in_seconds(ray_address, tmp_path):
+    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--use-gpu", "--storage-path", str(tmp_path),
+                     timeout=60)
+    assert result.returncode == 2
+    assert "--use-gpu, but no GPU in the Ray cluster" in result.stderr
