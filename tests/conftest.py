@@ -1,15 +1,8 @@
-"""Shared fixtures: one real Ray instance per test session, and a CLI runner."""
+"""Shared fixtures: one real Ray instance per test session."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -27,10 +20,3 @@ def ray_address() -> str:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
-
-
-def run_cli(module: str, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m MODULE ARGS` the way a user would, capturing its output."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=full_env)

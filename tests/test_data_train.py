@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import run_cli
+from support import run_cli
 from raytrain_ddp.data import synthetic
 from raytrain_ddp.data.prepare import write_tabular
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import run_cli
+from support import run_cli
 
 pytestmark = pytest.mark.ray
 
@@ -123,9 +123,16 @@ def test_infeasible_request_fails_in_seconds(ray_address, tmp_path):
     elapsed = time.monotonic() - started
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
-    assert "asked for 8 workers x 1 CPU" in line and "hold 2" in line and "try --num-workers 2" in line
+    assert "asked for 8 workers x 1 CPU" in line and "hold 2 beside 1 CPU for Ray Data loading" in line and "try --num-workers 2" in line
     assert elapsed < 30  # not Ray Train's 60 s start timeout, nor for ever
     assert not any(tmp_path.iterdir())
+
+
+def test_request_that_starves_data_loading_fails_in_seconds(ray_address, tmp_path):
+    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "2", "--cpus-per-worker", "1.5",
+                     "--storage-path", str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    assert "hold 1 beside 1 CPU for Ray Data loading" in result.stderr and "try --num-workers 1" in result.stderr
 
 
 def test_gpu_request_without_gpus_fails_in_seconds(ray_address, tmp_path):

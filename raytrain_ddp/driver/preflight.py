@@ -55,13 +55,27 @@ def check_fits(config: TrainConfig, nodes: list[dict]) -> None:
     asked = f"asked for {config.num_workers} workers x {shape}"
     if config.use_gpu and not any(n["gpus"] for n in nodes):
         raise ConfigError(f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU")
+    most = most_workers(config, nodes)
+    if most < config.num_workers:
+        hint = f"try --num-workers {most}" if most else "try a smaller --cpus-per-worker"
+        raise ConfigError(f"{asked}, but the {len(nodes)} node(s) hold {most} beside {DATA_LOADING_CPUS} CPU "
+                          f"for Ray Data loading ({describe(nodes)}); {hint}")
+
+
+def most_workers(config: TrainConfig, nodes: list[dict]) -> int:
+    """The most workers that fit, leaving some node a whole CPU for data loading."""
     packed = sum(workers_that_fit(n, config) for n in nodes)
-    cpus_left_for_workers = sum(n["cpus"] for n in nodes) - DATA_LOADING_CPUS
-    usable = min(packed, max(math.floor(cpus_left_for_workers / config.cpus_per_worker + 1e-9), 0))
-    if usable < config.num_workers:
-        hint = f"try --num-workers {usable}" if usable else "try a smaller --cpus-per-worker"
-        raise ConfigError(f"{asked}, but the {len(nodes)} node(s) hold {usable} beside "
-                          f"{DATA_LOADING_CPUS} CPU for Ray Data loading ({describe(nodes)}); {hint}")
+    return next((n for n in range(packed, 0, -1) if max(cpus_left_after_packing(config, nodes, n)) >= DATA_LOADING_CPUS), 0)
+
+
+def cpus_left_after_packing(config: TrainConfig, nodes: list[dict], workers: int) -> list[float]:
+    """CPUs each node keeps once `workers` are packed onto nodes, fullest first, as Ray's PACK does."""
+    left = []
+    for node in sorted(nodes, key=lambda n: -workers_that_fit(n, config)):
+        placed = min(workers_that_fit(node, config), workers)
+        workers -= placed
+        left.append(node["cpus"] - placed * config.cpus_per_worker)
+    return left
 
 
 def local_cpus(config: TrainConfig) -> int:

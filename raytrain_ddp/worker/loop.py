@@ -99,7 +99,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if config.record_sample_ids:
             save_sample_ids(config, epoch, rank, seen_ids)
         sync_buffers(model)
-        val_metrics = evaluate(model, val_shard.iter_torch_batches(batch_size=config.batch_size, device=device), loss_fn)
+        # The bare module, not the DDP wrapper: a DDP forward is itself a collective
+        # (buffer broadcast), and ranks may hold different numbers of val batches.
+        val_batches = val_shard.iter_torch_batches(batch_size=config.batch_size, device=device)
+        val_metrics = evaluate(ckpt.unwrap(model), val_batches, loss_fn)
         rank_metrics = {
             "epoch": epoch, "rank": rank, "train_loss": meter.mean_loss(), "samples": meter.samples,
             "steps": meter.steps, "train_seconds": train_seconds, "data_wait_seconds": meter.data_wait_s,

@@ -1,0 +1,115 @@
+"""TensorBoard event files for a run: one point per epoch record, written by the driver.
+
+    tb = TensorBoardLog(run_dir)          # events go to RUN_DIR/tensorboard/
+    tb.write_epoch(record)                # each metrics.jsonl record, as it is written
+    tb.close()
+
+    tensorboard --logdir RUN_DIR/tensorboard     (or STORAGE_PATH to compare runs)
+
+Scalars, all with ``global_step = epoch``: train/loss, train/loss_min, train/loss_max,
+val/loss, val/accuracy, throughput/samples_per_second, time/epoch_seconds, and per
+rank ``throughput/rank_{r}`` (samples_per_rank / seconds), ``data_wait/rank_{r}``,
+``train_loss/rank_{r}``, ``steps/rank_{r}``, ``step_seconds/rank_{r}`` and
+``gpu_memory_peak_gib/rank_{r}``. Any other ``NAME_per_rank`` number list becomes
+``NAME/rank_{r}``. A field a record lacks (or holds as a non-number) is skipped:
+logging must never stop a training run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("raytrain_ddp")
+
+TENSORBOARD_DIR = "tensorboard"
+
+SCALARS = {  # record field -> tag
+    "train_loss": "train/loss",
+    "train_loss_min": "train/loss_min",
+    "train_loss_max": "train/loss_max",
+    "val_loss": "val/loss",
+    "val_accuracy": "val/accuracy",
+    "samples_per_second": "throughput/samples_per_second",
+    "seconds": "time/epoch_seconds",
+}
+PER_RANK = {  # record field -> tag group; each rank r is GROUP/rank_{r}
+    "data_wait_seconds_per_rank": "data_wait",
+    "train_loss_per_rank": "train_loss",
+    "samples_per_rank": "samples",
+    "steps_per_rank": "steps",
+    "step_seconds_per_rank": "step_seconds",
+    "gpu_memory_peak_gib_per_rank": "gpu_memory_peak_gib",
+    # val_loss/val_accuracy per rank: the same on every rank (val_identical_across_ranks); not logged
+    "val_loss_per_rank": None,
+    "val_accuracy_per_rank": None,
+}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def epoch_scalars(record: dict) -> dict[str, float]:
+    """The tag -> value pairs one epoch record gives (no step)."""
+    out: dict[str, float] = {}
+    for key, tag in SCALARS.items():
+        value = _number(record.get(key))
+        if value is not None:
+            out[tag] = value
+    seconds = _number(record.get("seconds"))
+    samples = record.get("samples_per_rank")
+    if seconds and isinstance(samples, list):
+        for rank, n in enumerate(samples):
+            if _number(n) is not None:
+                out[f"throughput/rank_{rank}"] = float(n) / seconds
+    for key, values in record.items():
+        if not key.endswith("_per_rank") or not isinstance(values, list):
+            continue
+        group = PER_RANK.get(key, key.removesuffix("_per_rank"))
+        if group is None:
+            continue
+        for rank, value in enumerate(values):
+            if _number(value) is not None:
+                out[f"{group}/rank_{rank}"] = float(value)
+    return out
+
+
+class TensorBoardLog:
+    """Writes each epoch record as TensorBoard scalars into RUN_DIR/tensorboard/."""
+
+    def __init__(self, run_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # torch is there; the tensorboard package is not
+            raise ImportError(f"TensorBoard logging needs the tensorboard package (pip install tensorboard): {err}") from err
+        self.log_dir = Path(run_dir) / TENSORBOARD_DIR
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def write_epoch(self, record: dict) -> None:
+        """One point per scalar at global_step = record["epoch"]; flushed so TensorBoard shows it now."""
+        step = record.get("epoch")
+        if self._writer is None or isinstance(step, bool) or not isinstance(step, int):
+            log.debug("TensorBoard: record without an integer epoch (or log closed); skipped")
+            return
+        try:
+            for tag, value in epoch_scalars(record).items():
+                self._writer.add_scalar(tag, value, global_step=step)
+            self._writer.flush()
+        except Exception as err:  # a full disk must not end the run; the metrics are in metrics.jsonl too
+            log.warning("TensorBoard: could not write epoch %s: %s", step, err)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "TensorBoardLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,17 @@
+"""Helpers the tests share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(module: str, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m MODULE ARGS` the way a user would, capturing its output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=full_env)
