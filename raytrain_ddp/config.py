@@ -54,7 +54,7 @@ class TrainConfig:
     # Optimisation
     epochs: int = field(default=5, metadata=_flag("passes over the training set"))
     batch_size: int = field(default=64, metadata=_flag("per-worker batch; the global batch is this x --num-workers"))
-    lr: float = field(default=0.05, metadata=_flag("learning rate"))
+    lr: float = field(default=0.02, metadata=_flag("learning rate"))
     optimizer: str = field(default="sgd", metadata=_flag("optimizer", choices=OPTIMIZERS))
     momentum: float = field(default=0.9, metadata=_flag("SGD momentum"))
     weight_decay: float = field(default=5e-4, metadata=_flag("weight decay"))
@@ -66,7 +66,10 @@ class TrainConfig:
     # Robustness
     max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
     collective_timeout_s: int = field(default=600, metadata=_flag("seconds a DDP collective may wait before it fails"))
+    hang_timeout_s: int = field(default=300, metadata=_flag("seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"))
     record_sample_ids: bool = field(default=False, metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"))
+    tensorboard: bool = field(default=True, metadata=_flag("write TensorBoard event files to RUN_DIR/tensorboard/"))
+    report: bool = field(default=True, metadata=_flag("write the HTML report with plots to RUN_DIR/report/ at the end"))
     # Console
     verbose: bool = field(default=False, metadata=_flag("show Ray's own logs and worker logs on the console"))
 
@@ -98,6 +101,7 @@ class TrainConfig:
         _at_least("--num-to-keep", self.num_to_keep, 1)
         _at_least("--max-failures", self.max_failures, 0)
         _at_least("--collective-timeout-s", self.collective_timeout_s, 1)
+        _at_least("--hang-timeout-s", self.hang_timeout_s, 1)
         if not self.cpus_per_worker > 0:
             raise ConfigError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
         if not self.lr > 0:

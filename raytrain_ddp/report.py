@@ -57,7 +57,8 @@ class Run:
     def world_size(self) -> int:
         if self.summary.get("world_size"):
             return int(self.summary["world_size"])
-        lengths = [len(v) for rec in self.epochs for k, v in rec.items() if k.endswith("_per_rank") and isinstance(v, list)]
+        lengths = [len(v) for rec in self.epochs for k, v in rec.items()
+                   if k.endswith("_per_rank") and isinstance(v, list)]
         return max(lengths, default=0)
 
 
@@ -258,7 +259,8 @@ def _plot_per_rank(epochs: list[dict], field: RankField):
                         label=f"min..max over {ranks} ranks")
         ax.plot(xs, [statistics.median(s) for _, s in stats], "o-", color=COLORS[0], label="median rank")
         ax.legend(fontsize=8)
-    ax.set_ylim(bottom=0)
+    top = ax.get_ylim()[1]
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1)  # from zero, with room above the highest line for the legend
     return fig
 
 
@@ -315,7 +317,8 @@ section { background: #fff; border: 1px solid #dde1e7; border-radius: 8px; paddi
 .failed { background: #fbe0e0; color: #9b1c1c; }
 .unknown { background: #fff1cc; color: #7a5b00; }
 .alert { background: #fbe0e0; border: 1px solid #f0b4b4; color: #7d1616; border-radius: 6px; padding: 8px 12px;
-         margin-top: 10px; white-space: pre-wrap; font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; }
+         margin-top: 10px; white-space: pre-wrap; font-size: 12px;
+         font-family: ui-monospace, Menlo, Consolas, monospace; }
 .note { background: #fff8e1; border: 1px solid #f1dc9c; border-radius: 6px; padding: 6px 12px; margin-top: 8px; }
 .facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; margin: 0; }
 .facts dt { color: #5b6475; }
@@ -395,7 +398,8 @@ def _summary_html(run: Run) -> str:
     global_batch = s.get("global_batch_size") or (per_worker * world if per_worker and world else None)
     facts.append(("Batch", f"{_e(per_worker or DASH)} per worker &times; {_e(world or DASH)} workers = "
                            f"<b>{_e(global_batch or DASH)}</b> global "
-                           f'<span class="sub">(global batch = per-worker batch x workers: what DDP trains with)</span>'))
+                           '<span class="sub">(global batch = per-worker batch x workers: '
+                           'what DDP trains with)</span>'))
     final = s.get("final_metrics") or (run.epochs[-1] if run.epochs else None)
     facts.append(("Final metrics", _metrics_text(final)))
     facts.append(("Best metrics", _metrics_text(s.get("best_metrics"))))
@@ -420,7 +424,8 @@ def _summary_html(run: Run) -> str:
     if (run.run_dir / "tensorboard").is_dir():
         facts.append(("TensorBoard", f'<code>tensorboard --logdir {_e(run.run_dir / "tensorboard")}</code>'))
     rows = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts)
-    return f'<section id="summary">{"".join(head)}<h2 style="margin-top:14px">Summary</h2><dl class="facts">{rows}</dl></section>'
+    return (f'<section id="summary">{"".join(head)}<h2 style="margin-top:14px">Summary</h2>'
+            f'<dl class="facts">{rows}</dl></section>')
 
 
 def _workers_html(run: Run) -> str:
@@ -441,7 +446,8 @@ def _workers_html(run: Run) -> str:
     body = []
     for r in ranks:
         w = workers.get(r, {})
-        cells = [f"<td>{_e(r)}</td>"] + [f'<td class="l">{_e(w.get(k, DASH))}</td>' for k in ("hostname", "node_ip", "device")]
+        cells = [f"<td>{_e(r)}</td>"]
+        cells += [f'<td class="l">{_e(w.get(k, DASH))}</td>' for k in ("hostname", "node_ip", "device")]
         cells.append(f"<td>{_e(w.get('pid', DASH))}</td>")
         for f in fields:
             values = columns[f.key]
@@ -470,7 +476,8 @@ def _epochs_html(run: Run) -> str:
                  _yes_no(rec.get("val_identical_across_ranks"))]
         body.append(f'<tr>{"".join(f"<td>{c}</td>" for c in cells)}</tr>')
     return (f'<section id="epochs"><h2>Epochs</h2><div class="scroll"><table><thead><tr>'
-            f'{"".join(f"<th>{_e(h)}</th>" for h in head)}</tr></thead><tbody>{"".join(body)}</tbody></table></div></section>')
+            f'{"".join(f"<th>{_e(h)}</th>" for h in head)}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div></section>')
 
 
 def _config_html(run: Run) -> str:
@@ -485,7 +492,8 @@ def _config_html(run: Run) -> str:
         tables.append(f'<table><thead><tr><th class="l">setting</th><th class="l">value</th></tr></thead>'
                       f'<tbody>{rows}</tbody></table>')
     return (f'<section id="config"><h2>Configuration <span class="sub">config.toml: rerun with '
-            f'<code>python -m raytrain_ddp.run --config {_e(run.run_dir / "config.toml")} --name NEW_NAME</code></span></h2>'
+            f'<code>python -m raytrain_ddp.run --config {_e(run.run_dir / "config.toml")} --name NEW_NAME</code>'
+            '</span></h2>'
             f'<div class="config">{"".join(tables)}</div></section>')
 
 

@@ -41,8 +41,8 @@ def test_console_says_dashboard_global_batch_and_table(default_run):
 def test_default_run_learns(default_run):
     *_, summary, epochs = default_run
     assert summary["status"] == "finished" and summary["epochs_completed"] == 5
-    assert epochs[0]["train_loss"] > 1.0  # starts near chance (ln 10 = 2.3)...
-    assert summary["final_metrics"]["val_accuracy"] >= 0.8  # ...and really learns (chance: 0.1)
+    assert epochs[0]["train_loss"] > epochs[-1]["train_loss"]
+    assert summary["final_metrics"]["val_accuracy"] >= 0.8  # chance is 0.1
 
 
 def test_summary_contract(default_run):

@@ -4,8 +4,8 @@ Every row is a pure function of ``(seed, id)``, so a worker, the evaluator and
 a test regenerate exactly the same sample without shipping data around.
 ``synthetic`` is 10 classes of 3x32x32 images: each class has its own smooth
 colour pattern, each image is that pattern shifted by a few pixels, scaled and
-buried in noise (signal-to-noise about 0.2). A small CNN climbs from chance
-(0.1) to about 0.85 in five epochs. ``synthetic-tabular`` is 10 Gaussian clusters in 32 dimensions.
+buried in noise (signal-to-noise about 0.16). A small CNN climbs from chance
+(0.1) to above 0.9 in a few epochs. ``synthetic-tabular`` is 10 Gaussian clusters in 32 dimensions.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def image_rows(ids: np.ndarray, seed: int) -> dict[str, np.ndarray]:
         label = int(rng.integers(NUM_CLASSES))
         shift = rng.integers(-4, 5, size=2)
         pattern = np.roll(patterns[label], shift=tuple(shift), axis=(1, 2))
-        pixels = 128 + 16 * rng.uniform(0.6, 1.4) * pattern + 80 * rng.standard_normal(IMAGE_SHAPE)
+        pixels = 128 + 13 * rng.uniform(0.6, 1.4) * pattern + 80 * rng.standard_normal(IMAGE_SHAPE)
         images[i] = np.clip(pixels, 0, 255).astype(np.uint8)
         labels[i] = label
     return {"id": ids.astype(np.int64), "image": images, "label": labels}

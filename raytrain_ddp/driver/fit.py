@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import warnings
@@ -20,13 +21,16 @@ import ray
 import ray.data
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data
 from raytrain_ddp.driver import preflight
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
+from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.models import check_model_fits_data
+from raytrain_ddp.report import write_report
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
 from raytrain_ddp.worker.loop import train_loop_per_worker
 
@@ -125,7 +129,8 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
 def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor) -> TorchTrainer:
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor},
+        train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
+                           "test_stall": _test_stall()},
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                      resources_per_worker={"CPU": config.cpus_per_worker}),
         run_config=RunConfig(
@@ -141,10 +146,38 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor) -> TorchTr
     )
 
 
-def _watch(monitor, recorder: RunRecorder, stop: threading.Event) -> None:
-    """Drain the monitor until training ends, then once more for the last news."""
+def _test_stall() -> list | None:
+    """RAYTRAIN_TEST_STALL=rank:epoch:step:seconds makes that rank sleep in that step (tests only)."""
+    value = os.environ.get("RAYTRAIN_TEST_STALL")
+    return [int(v) for v in value.split(":")] if value else None
+
+
+@ray.remote(num_cpus=0)
+def _kill_process(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
+    """The watchdog's verdict: name the stuck rank, then end it so Ray Train restarts from the checkpoint."""
+    verdict = f"no rank made progress for {hang_timeout_s}s; last seen: {recorder.describe_stall()}"
+    log.error("Watchdog: %s", verdict)
+    recorder.hangs.append(verdict)
+    recorder.last_news = time.time()  # the restarted attempt gets a full timeout of its own
+    worker = recorder.workers.get(recorder.stuck_rank())
+    if worker is None:
+        return
+    log.error("Watchdog: ending rank %d (pid %d on %s); Ray Train restarts the workers from the last checkpoint",
+              worker["rank"], worker["pid"], worker["hostname"])
+    on_its_node = NodeAffinitySchedulingStrategy(worker["node_id"], soft=False)
+    ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
+
+
+def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s: int) -> None:
+    """Drain the monitor until training ends (then once more), watching for a stall."""
     while not stop.wait(POLL_INTERVAL_S):
         recorder.consume(ray.get(monitor.drain.remote()))
+        if time.time() - recorder.last_news > hang_timeout_s:
+            _end_stalled_attempt(recorder, hang_timeout_s)
     recorder.consume(ray.get(monitor.drain.remote()))
 
 
@@ -172,9 +205,13 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
 
     datasets = build_datasets(config, plan)
     monitor = start_monitor()
-    recorder = RunRecorder(run_dir, config.num_workers, config.epochs)
+    tensorboard = TensorBoardLog(run_dir) if config.tensorboard else None
+    recorder = RunRecorder(run_dir, config.num_workers, config.epochs, tensorboard)
+    if recorder.epochs:
+        log.info("Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
+                 config.name, ", ".join(map(str, sorted(recorder.epochs))))
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop, config.hang_timeout_s), daemon=True)
     watcher.start()
     error, result = None, None
     try:
@@ -185,9 +222,13 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
         stop.set()
         watcher.join()
         ray.kill(monitor)
+        if tensorboard:
+            tensorboard.close()
 
     summary = _summary(config, recorder, result, error, time.time() - started)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if config.report:
+        log.info("Report: %s", write_report(run_dir))
     if error:
         log.error("Training failed: %s", error)
     else:
@@ -216,6 +257,8 @@ def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | No
         checkpoint, best_metrics = max(result.best_checkpoints, key=lambda pair: pair[1]["val_accuracy"])
         best_checkpoint = os.path.join(checkpoint.path, CHECKPOINT_FILE)
     checksums = [recorder.checksums.get(rank) for rank in range(config.num_workers)]
+    if error and recorder.hangs:
+        error = f"watchdog: {recorder.hangs[-1]} -> {error}"
     return {
         "status": "failed" if error else "finished",
         "error": error,
@@ -228,6 +271,7 @@ def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | No
         "global_batch_size": config.global_batch_size,
         "workers": [recorder.workers[rank] for rank in sorted(recorder.workers)],
         "restarts": recorder.restarts,
+        "hangs": recorder.hangs,
         "final_metrics": epochs[-1] if epochs else None,
         "best_checkpoint": best_checkpoint,
         "best_metrics": best_metrics,

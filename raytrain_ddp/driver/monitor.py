@@ -23,6 +23,8 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
+
 log = logging.getLogger("raytrain_ddp")
 
 
@@ -36,9 +38,9 @@ class RunMonitor:
     def worker_started(self, rank: int, info: dict) -> None:
         self._events.append(("started", rank, info))
 
-    def progress(self, rank: int, epoch: int, steps: int, samples: int, loss: float) -> None:
+    def progress(self, rank: int, epoch: int, steps: int, samples: int, loss: float, phase: str) -> None:
         self._events.append(("progress", rank, {"epoch": epoch, "steps": steps, "samples": samples,
-                                                "loss": loss, "time": time.time()}))
+                                                "loss": loss, "phase": phase, "time": time.time()}))
 
     def epoch_finished(self, rank: int, metrics: dict) -> None:
         self._events.append(("epoch", rank, metrics))
@@ -62,18 +64,29 @@ TABLE_HEADER = f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val lo
 class RunRecorder:
     """Turns worker events into metrics.jsonl, table rows and the summary's facts."""
 
-    def __init__(self, run_dir: Path, world_size: int, total_epochs: int) -> None:
+    def __init__(self, run_dir: Path, world_size: int, total_epochs: int, tensorboard: TensorBoardLog | None) -> None:
         self.run_dir = run_dir
+        self.tensorboard = tensorboard
         self.world_size = world_size
         self.total_epochs = total_epochs
         self.workers: dict[int, dict] = {}
         self.starts_of_rank0 = 0
         self.checksums: dict[int, str] = {}
-        self.epochs: dict[int, dict] = {}  # epoch -> aggregated record (written)
+        self.epochs: dict[int, dict] = self._read_earlier_epochs()  # epoch -> aggregated record
         self._pending: dict[int, dict[int, dict]] = {}  # epoch -> rank -> metrics
         self._progress: dict[int, dict] = {}
+        self.last_news = time.time()  # when any rank last said it was moving
+        self.hangs: list[str] = []  # the watchdog's verdicts
         self._interactive = sys.stderr.isatty()
         self._table_started = False
+
+    def _read_earlier_epochs(self) -> dict[int, dict]:
+        """A resumed run keeps the epochs it already recorded."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return {}
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return {r["epoch"]: r for r in records}
 
     @property
     def restarts(self) -> int:
@@ -82,11 +95,14 @@ class RunRecorder:
 
     def consume(self, events: list[tuple]) -> None:
         for kind, rank, payload in events:
+            if kind != "progress":
+                self.last_news = time.time()
             if kind == "started":
                 self.workers[rank] = payload
                 self.starts_of_rank0 += rank == 0
+                self._progress.pop(rank, None)
             elif kind == "progress":
-                self._progress[rank] = payload
+                self._track_position(rank, payload)
             elif kind == "epoch":
                 self._pending.setdefault(payload["epoch"], {})[rank] = payload
                 if len(self._pending[payload["epoch"]]) == self.world_size:
@@ -123,15 +139,48 @@ class RunRecorder:
             "data_wait_seconds_per_rank": [round(m["data_wait_seconds"], 4) for m in ranks],
             "seconds": seconds,
         }
-        self.epochs[record["epoch"]] = record
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
+        lines = "".join(json.dumps(self.epochs[e]) + "\n" for e in sorted(self.epochs))
+        tmp = self.run_dir / "metrics.jsonl.tmp"
+        tmp.write_text(lines)
+        tmp.replace(self.run_dir / "metrics.jsonl")
+        if self.tensorboard:
+            self.tensorboard.write_epoch(record)
         self._show_row(record)
+
+    def _track_position(self, rank: int, progress: dict) -> None:
+        """Heartbeats come every second, moving or not: news is a rank whose position changed."""
+        position = (progress["epoch"], progress["steps"], progress["phase"])
+        previous = self._progress.get(rank)
+        if previous is None or previous["position"] != position:
+            progress["moved_at"] = progress["time"]
+            self.last_news = time.time()
+        else:
+            progress["moved_at"] = previous["moved_at"]
+        progress["position"] = position
+        self._progress[rank] = progress
+
+    def describe_stall(self) -> str:
+        """Where each rank was last seen, behind-most first: the stuck rank leads."""
+        seen = sorted(self._progress.items(), key=lambda item: (item[1]["epoch"], item[1]["steps"], item[1]["time"]))
+        parts = []
+        for rank, p in seen:
+            host = self.workers.get(rank, {}).get("hostname", "?")
+            parts.append(f"rank {rank} on {host}: {p['phase']}, epoch {p['epoch']} step {p['steps']}, "
+                         f"unchanged for {time.time() - p['moved_at']:.0f}s")
+        silent = [r for r in sorted(self.workers) if r not in self._progress]
+        parts += [f"rank {r} on {self.workers[r].get('hostname', '?')}: no news since it started" for r in silent]
+        return "; ".join(parts) or "no worker has reported yet"
+
+    def stuck_rank(self) -> int | None:
+        """The rank furthest behind (lowest epoch and step), the likeliest culprit of a stall."""
+        if not self._progress:
+            return None
+        return min(self._progress, key=lambda r: (self._progress[r]["epoch"], self._progress[r]["steps"]))
 
     def _show_row(self, r: dict) -> None:
         if self._interactive and self._progress:
             sys.stderr.write("\r\033[K")
-        self._progress.clear()
         if not self._table_started:
             log.info(TABLE_HEADER)
             self._table_started = True

@@ -24,11 +24,12 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec
 from raytrain_ddp.models import build_model
 from raytrain_ddp.worker import checkpoint as ckpt
-from raytrain_ddp.worker.metrics import EpochMeter, evaluate, parameter_checksum, sync_buffers
+from raytrain_ddp.worker.metrics import (EpochMeter, Heartbeat, check_finite, evaluate, parameter_checksum,
+                                         sync_buffers)
 
 log = logging.getLogger("raytrain_ddp.worker")
 
-PROGRESS_INTERVAL_S = 1.0  # how often a rank tells the driver where it is
+NAN_CHECK_EVERY = 100  # steps between loss checks: each one waits for the device
 
 
 def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -54,8 +55,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     device = ray.train.torch.get_device()
     monitor.worker_started.remote(rank, {
         "rank": rank, "hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
-        "device": str(device), "pid": os.getpid(),
+        "device": str(device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
     })
+    heartbeat = Heartbeat(monitor, rank)
+    stall = loop_config.get("test_stall")  # test-only: (rank, epoch, step, seconds) to sleep in a step
 
     # The same seed on every rank gives the same initial weights (DDP also
     # broadcasts rank zero's at wrap time); the data order comes from Ray Data.
@@ -75,8 +78,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     for epoch in range(epochs_done + 1, config.epochs + 1):  # epochs count from 1
         model.train()
         meter = EpochMeter()
+        heartbeat.at("training", epoch, meter)
         seen_ids = []
-        last_progress = time.perf_counter()
         batches = iter(train_shard.iter_torch_batches(batch_size=config.batch_size, device=device))
         while True:
             waited_from = time.perf_counter()
@@ -84,6 +87,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
             meter.data_wait_s += time.perf_counter() - waited_from
             if batch is None:
                 break
+            meter.steps_started += 1
             loss = loss_fn(model(batch["x"]), batch["y"])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces (averages) gradients here
@@ -91,13 +95,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
             meter.add(loss, len(batch["y"]))
             if config.record_sample_ids:
                 seen_ids.append(batch["id"].cpu().numpy())
-            if time.perf_counter() - last_progress >= PROGRESS_INTERVAL_S:
-                last_progress = time.perf_counter()
-                monitor.progress.remote(rank, epoch, meter.steps, meter.samples, meter.mean_loss())
+            if meter.steps % NAN_CHECK_EVERY == 0:
+                check_finite(meter.mean_loss(), rank, epoch, meter.steps)
+            if stall and (rank, epoch, meter.steps) == tuple(stall[:3]):
+                time.sleep(stall[3])
 
         train_seconds = meter.seconds()
+        check_finite(meter.mean_loss(), rank, epoch, meter.steps)
         if config.record_sample_ids:
             save_sample_ids(config, epoch, rank, seen_ids)
+        heartbeat.at("validating", epoch, meter)
         sync_buffers(model)
         # The bare module, not the DDP wrapper: a DDP forward is itself a collective
         # (buffer broadcast), and ranks may hold different numbers of val batches.
@@ -113,6 +120,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # Rank zero alone writes the checkpoint; every rank reports, so Ray
         # Train sees the whole group finish the epoch and keeps the best one.
         report = {"epoch": epoch, **val_metrics}
+        heartbeat.at("checkpointing", epoch, meter)
         if rank == 0:
             with ckpt.scratch_dir() as directory:
                 checkpoint = ckpt.save(directory, model, optimizer, epoch, report,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +19,7 @@ class EpochMeter:
 
     samples: int = 0
     steps: int = 0
+    steps_started: int = 0  # one ahead of `steps` while a step runs (or hangs in its all-reduce)
     loss_sum: torch.Tensor | None = None  # kept on the device: no sync per step
     data_wait_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
@@ -32,6 +35,33 @@ class EpochMeter:
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
+
+
+class Heartbeat:
+    """Tells the driver where this rank is, once a second, from a thread of its own.
+
+    The loop only sets attributes (no call, no sync per step); the thread posts
+    them fire-and-forget, and keeps posting while the loop is blocked, so the
+    driver's watchdog sees every rank's position during a hang. A rank stuck
+    inside a collective has *started* one step more than the rank it waits for.
+    """
+
+    INTERVAL_S = 1.0
+
+    def __init__(self, monitor, rank: int) -> None:
+        self.monitor, self.rank = monitor, rank
+        self.phase, self.epoch, self.meter = "starting", 0, EpochMeter()
+        threading.Thread(target=self._post_forever, daemon=True, name="heartbeat").start()
+
+    def at(self, phase: str, epoch: int, meter: EpochMeter) -> None:
+        self.phase, self.epoch, self.meter = phase, epoch, meter
+
+    def _post_forever(self) -> None:
+        while True:
+            time.sleep(self.INTERVAL_S)
+            meter = self.meter
+            loss = meter.mean_loss() if meter.samples else float("nan")
+            self.monitor.progress.remote(self.rank, self.epoch, meter.steps_started, meter.samples, loss, self.phase)
 
 
 @torch.no_grad()
@@ -66,6 +96,13 @@ def sync_buffers(model: nn.Module) -> None:
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
+
+
+def check_finite(loss: float, rank: int, epoch: int, step: int) -> None:
+    """Stop on a NaN or infinite loss, saying where: retraining on from there is wasted work."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"training loss is {loss} on rank {rank} at epoch {epoch}, by step {step}; "
+                                 "the latest checkpoint holds the last good weights")
 
 
 def parameter_checksum(model: nn.Module) -> str:

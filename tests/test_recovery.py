@@ -1,0 +1,104 @@
+"""Never hang, never lose work: real SIGKILLs, a real stalled rank, a real resumed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from support import REPO
+
+pytestmark = pytest.mark.ray
+
+
+def _wait_for_epoch(run_dir: Path, epoch: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(l)["epoch"] >= epoch for l in metrics.read_text().splitlines()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"epoch {epoch} never recorded in {metrics}")
+
+
+def _train_worker_pids() -> list[int]:
+    """Ray Train worker processes, found in the process table as an operator would."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"RayTrainWorker" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _epochs(run_dir: Path) -> list[int]:
+    return [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _config(tmp_path: Path, name: str, **overrides):
+    from raytrain_ddp import TrainConfig
+
+    values = dict(num_workers=2, epochs=3, train_size=4096, val_size=512, storage_path=str(tmp_path), name=name)
+    return TrainConfig(**{**values, **overrides})
+
+
+def test_sigkilled_worker_is_replaced_and_training_resumes(ray_address, tmp_path):
+    from raytrain_ddp import fit
+
+    baseline = fit(_config(tmp_path, "baseline"))
+    outcome = {}
+    run = threading.Thread(target=lambda: outcome.setdefault("result", fit(_config(tmp_path, "killed"))))
+    run.start()
+    _wait_for_epoch(tmp_path / "killed", 1)
+    time.sleep(1.5)  # into epoch 2, after epoch 1's checkpoint
+    victims = _train_worker_pids()
+    assert victims, "no Ray Train worker process found"
+    os.kill(victims[-1], signal.SIGKILL)  # mid-epoch 2, from outside the training code
+    run.join(timeout=600)
+    result = outcome["result"]
+    assert result.ok, result.summary["error"]
+    assert result.summary["restarts"] == 1
+    assert _epochs(tmp_path / "killed") == [1, 2, 3]  # every epoch exactly once
+    assert result.summary["replicas_identical"]
+    assert abs(result.final_metrics["val_accuracy"] - baseline.final_metrics["val_accuracy"]) < 0.1
+
+
+def test_watchdog_names_the_stuck_rank_long_before_the_collective_timeout(ray_address, tmp_path, monkeypatch):
+    from raytrain_ddp import fit
+
+    monkeypatch.setenv("RAYTRAIN_TEST_STALL", "1:1:3:600")  # rank 1 sleeps in epoch 1, step 3
+    started = time.monotonic()
+    result = fit(_config(tmp_path, "stalled", epochs=1, hang_timeout_s=8, max_failures=0, collective_timeout_s=900))
+    elapsed = time.monotonic() - started
+    assert not result.ok
+    verdict = result.summary["hangs"][0]
+    assert verdict.startswith("no rank made progress for 8s; last seen: rank 1 on ")  # the stuck rank leads
+    assert "rank 0 on " in verdict  # ...and the others are listed with where they wait
+    assert result.summary["error"].startswith("watchdog: ")
+    assert elapsed < 200  # the collective timeout alone would take 900 s
+
+
+def test_rerunning_the_same_command_resumes_the_run(ray_address, tmp_path):
+    command = [sys.executable, "-m", "raytrain_ddp.run", "--address", ray_address, "--epochs", "3",
+               "--train-size", "4096", "--val-size", "512", "--storage-path", str(tmp_path), "--name", "resumable"]
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_epoch(tmp_path / "resumable", 1)
+    time.sleep(1)  # let the epoch's checkpoint land
+    first.kill()  # the driver dies mid-run (a crash, an OOM kill, a lost login node)
+    first.wait()
+    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Resuming run resumable: epochs 1" in second.stderr
+    assert _epochs(tmp_path / "resumable") == [1, 2, 3]
+    summary = json.loads((tmp_path / "resumable" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 3
