@@ -8,6 +8,7 @@ workers' news while it runs, and write ``summary.json``.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import signal
@@ -35,8 +36,11 @@ from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
 from raytrain_ddp.worker.loop import train_loop_per_worker
 
 log = logging.getLogger("raytrain_ddp")
+progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
+progress_log.propagate = False
 
 POLL_INTERVAL_S = 0.5
+PROGRESS_LOG_INTERVAL_S = 5.0
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
@@ -123,6 +127,8 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     log_file = logging.FileHandler(run_dir / "driver.log")
     log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(log_file)
+    progress_log.setLevel(logging.INFO)
+    progress_log.addHandler(log_file)
     return log_file
 
 
@@ -130,7 +136,7 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor) -> TorchTr
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
-                           "test_stall": _test_stall()},
+                           "test_delays": _test_delays()},
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                      resources_per_worker={"CPU": config.cpus_per_worker}),
         run_config=RunConfig(
@@ -146,10 +152,17 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor) -> TorchTr
     )
 
 
-def _test_stall() -> list | None:
-    """RAYTRAIN_TEST_STALL=rank:epoch:step:seconds makes that rank sleep in that step (tests only)."""
-    value = os.environ.get("RAYTRAIN_TEST_STALL")
-    return [int(v) for v in value.split(":")] if value else None
+def _test_delays() -> dict:
+    """Test-only switches, from the environment:
+
+    RAYTRAIN_TEST_STALL=rank:epoch:step:seconds  that rank sleeps once, in that step;
+    RAYTRAIN_TEST_SLOW_DATA=rank:seconds          that rank waits this long for every batch.
+    """
+    delays = {}
+    for key, variable in (("stall", "RAYTRAIN_TEST_STALL"), ("slow_data", "RAYTRAIN_TEST_SLOW_DATA")):
+        if os.environ.get(variable):
+            delays[key] = [float(v) for v in os.environ[variable].split(":")]
+    return delays
 
 
 @ray.remote(num_cpus=0)
@@ -173,11 +186,19 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
 
 
 def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s: int) -> None:
-    """Drain the monitor until training ends (then once more), watching for a stall."""
+    """Drain the monitor until training ends (then once more), watching for a stall.
+
+    Every few seconds a progress line goes to driver.log (not the console,
+    which gets one row per epoch), so a log shows where a long epoch stands.
+    """
+    last_logged = time.time()
     while not stop.wait(POLL_INTERVAL_S):
         recorder.consume(ray.get(monitor.drain.remote()))
         if time.time() - recorder.last_news > hang_timeout_s:
             _end_stalled_attempt(recorder, hang_timeout_s)
+        if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
+            progress_log.info(line)
+            last_logged = time.time()
     recorder.consume(ray.get(monitor.drain.remote()))
 
 
@@ -196,6 +217,7 @@ def fit(config: TrainConfig) -> FitResult:
         return _train(config, plan, run_dir, dashboard_url, nodes, started)
     finally:
         log.removeHandler(log_file)
+        progress_log.removeHandler(log_file)
         log_file.close()
 
 
@@ -206,7 +228,8 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
     datasets = build_datasets(config, plan)
     monitor = start_monitor()
     tensorboard = TensorBoardLog(run_dir) if config.tensorboard else None
-    recorder = RunRecorder(run_dir, config.num_workers, config.epochs, tensorboard)
+    steps_per_epoch = math.ceil(plan.spec.train_rows // config.num_workers / config.batch_size)
+    recorder = RunRecorder(run_dir, config.num_workers, config.epochs, steps_per_epoch, tensorboard)
     if recorder.epochs:
         log.info("Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
                  config.name, ", ".join(map(str, sorted(recorder.epochs))))

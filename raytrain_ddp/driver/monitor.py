@@ -58,14 +58,37 @@ def start_monitor() -> "ray.actor.ActorHandle":
     return RunMonitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
 
 
+STRAGGLER_MIN_EXCESS_S = 0.25  # below this, waiting is noise, not a bottleneck
+
+
+def find_stragglers(record: dict) -> list[dict]:
+    """Ranks whose data wait stands far above the others' median.
+
+    In DDP a rank slow for any reason makes every rank slow: the others wait
+    for it inside the all-reduce, so their step time grows as much as its own.
+    Step time cannot name the culprit; time spent waiting for the next batch
+    can, and it says "this rank's input pipeline is the bottleneck".
+    """
+    waits = record.get("data_wait_seconds_per_rank") or []
+    if len(waits) < 2:
+        return []
+    median = statistics.median(waits)
+    return [{"rank": rank, "why": f"data wait {wait:.3g}s vs median {median:.3g}s over the epoch: "
+                                  "its input pipeline is the bottleneck"}
+            for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)]
+
+
 TABLE_HEADER = f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val loss':>8}  {'val acc':>7}  {'samples/s':>9}  {'time':>6}"
 
 
 class RunRecorder:
     """Turns worker events into metrics.jsonl, table rows and the summary's facts."""
 
-    def __init__(self, run_dir: Path, world_size: int, total_epochs: int, tensorboard: TensorBoardLog | None) -> None:
+    def __init__(self, run_dir: Path, world_size: int, total_epochs: int, steps_per_epoch: int,
+                 tensorboard: TensorBoardLog | None) -> None:
         self.run_dir = run_dir
+        self.steps_per_epoch = steps_per_epoch
+        self._rate_epoch, self._rate_start = 0, (0.0, 0)
         self.tensorboard = tensorboard
         self.world_size = world_size
         self.total_epochs = total_epochs
@@ -137,8 +160,14 @@ class RunRecorder:
             "samples_per_rank": samples,
             "steps_per_rank": [m["steps"] for m in ranks],
             "data_wait_seconds_per_rank": [round(m["data_wait_seconds"], 4) for m in ranks],
+            "step_seconds_per_rank": [round(m["step_seconds"], 5) for m in ranks],
             "seconds": seconds,
         }
+        if "gpu_memory_peak_gib" in first:
+            record["gpu_memory_peak_gib_per_rank"] = [m["gpu_memory_peak_gib"] for m in ranks]
+        record["stragglers"] = find_stragglers(record)
+        for straggler in record["stragglers"]:
+            log.warning("Epoch %d: rank %d is a straggler: %s", record["epoch"], straggler["rank"], straggler["why"])
         self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
         lines = "".join(json.dumps(self.epochs[e]) + "\n" for e in sorted(self.epochs))
         tmp = self.run_dir / "metrics.jsonl.tmp"
@@ -188,10 +217,28 @@ class RunRecorder:
         log.info(f"{r['epoch']:>5}  {spread:<32} {r['val_loss']:>8.4f}  {r['val_accuracy']:>7.4f}  "
                  f"{r['samples_per_second']:>9,.0f}  {r['seconds']:>5.1f}s")
 
+    def progress_line(self) -> str | None:
+        """Step, samples/s, ETA and mean loss of the epoch in flight, over all ranks."""
+        if not self._progress:
+            return None
+        epoch = max(p["epoch"] for p in self._progress.values())
+        current = [p for p in self._progress.values() if p["epoch"] == epoch and p["phase"] == "training"]
+        if not current:
+            return None
+        if epoch != self._rate_epoch:  # a new epoch: measure its rate from here
+            self._rate_epoch, self._rate_start = epoch, (time.time(), sum(p["samples"] for p in current))
+        samples = sum(p["samples"] for p in current)
+        elapsed = time.time() - self._rate_start[0]
+        rate = (samples - self._rate_start[1]) / elapsed if elapsed > 0 else 0.0
+        step = min(p["steps"] for p in current)
+        eta = f", epoch ETA {(self.steps_per_epoch - step) * (samples / max(step, 1)) / rate:.0f}s" if rate > 0 else ""
+        losses = [p["loss"] for p in current if p["loss"] == p["loss"]]  # NaN before a rank's first step
+        loss = f", loss {statistics.fmean(losses):.4f}" if losses else ""
+        return (f"epoch {epoch}/{self.total_epochs}: step {step}/{self.steps_per_epoch}, "
+                f"{rate:,.0f} samples/s{eta}{loss}")
+
     def _show_progress(self) -> None:
-        latest = max(self._progress.values(), key=lambda p: p["time"])
-        samples = sum(p["samples"] for p in self._progress.values() if p["epoch"] == latest["epoch"])
-        losses = [p["loss"] for p in self._progress.values() if p["epoch"] == latest["epoch"]]
-        sys.stderr.write(f"\r\033[K  epoch {latest['epoch']}/{self.total_epochs}: step {latest['steps']}, "
-                         f"{samples:,} samples, loss {statistics.fmean(losses):.4f}")
-        sys.stderr.flush()
+        line = self.progress_line()
+        if line:
+            sys.stderr.write(f"\r\033[K  {line}")
+            sys.stderr.flush()

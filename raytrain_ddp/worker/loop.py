@@ -58,7 +58,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         "device": str(device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
     })
     heartbeat = Heartbeat(monitor, rank)
-    stall = loop_config.get("test_stall")  # test-only: (rank, epoch, step, seconds) to sleep in a step
+    delays = loop_config.get("test_delays", {})  # test-only switches, see driver/fit.py
+    stall, slow_data = delays.get("stall"), delays.get("slow_data")
 
     # The same seed on every rank gives the same initial weights (DDP also
     # broadcasts rank zero's at wrap time); the data order comes from Ray Data.
@@ -84,6 +85,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         while True:
             waited_from = time.perf_counter()
             batch = next(batches, None)
+            if slow_data and rank == slow_data[0]:
+                time.sleep(slow_data[1])
             meter.data_wait_s += time.perf_counter() - waited_from
             if batch is None:
                 break
@@ -97,7 +100,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 seen_ids.append(batch["id"].cpu().numpy())
             if meter.steps % NAN_CHECK_EVERY == 0:
                 check_finite(meter.mean_loss(), rank, epoch, meter.steps)
-            if stall and (rank, epoch, meter.steps) == tuple(stall[:3]):
+            if stall and [rank, epoch, meter.steps] == stall[:3]:
                 time.sleep(stall[3])
 
         train_seconds = meter.seconds()
@@ -113,8 +116,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
         rank_metrics = {
             "epoch": epoch, "rank": rank, "train_loss": meter.mean_loss(), "samples": meter.samples,
             "steps": meter.steps, "train_seconds": train_seconds, "data_wait_seconds": meter.data_wait_s,
-            **val_metrics,
+            "step_seconds": (train_seconds - meter.data_wait_s) / max(meter.steps, 1), **val_metrics,
         }
+        if device.type == "cuda":
+            rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
         ray.get(monitor.epoch_finished.remote(rank, rank_metrics))
 
         # Rank zero alone writes the checkpoint; every rank reports, so Ray

@@ -1,0 +1,70 @@
+"""Ours, exactly as a user runs it, with a probe: `python -m bench.ours_cli --probe-out FILE -- CLI ARGS`.
+
+Calls `raytrain_ddp.run.main(CLI ARGS)` (the `python -m raytrain_ddp.run`
+entry point, in this process) after swapping the worker loop Ray Train ships
+to the workers for a wrapper that records, on rank 0, when each epoch's loop
+starts and when each optimizer step ends (an optimizer step post-hook: one
+time.time() and a list append per step; nothing else in the loop changes).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def probed(loop, probe_out: str):
+    """The worker loop, recording step events on rank 0 into `probe_out` (JSON)."""
+
+    def probed_loop(loop_config: dict) -> None:
+        import json
+        import os
+        import time
+
+        import ray.train
+        import torch
+
+        import raytrain_ddp.worker.loop as loop_module
+
+        events: list = []
+        make_optimizer, epoch_meter = loop_module.make_optimizer, loop_module.EpochMeter
+
+        def recording_optimizer(config, model):
+            optimizer = make_optimizer(config, model)
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: events.append(("s", time.time(), 0)))
+            return optimizer
+
+        def recording_meter(*args, **kwargs):
+            events.append(("e", time.time()))
+            return epoch_meter(*args, **kwargs)
+
+        loop_module.make_optimizer, loop_module.EpochMeter = recording_optimizer, recording_meter
+        try:
+            loop(loop_config)
+        finally:
+            loop_module.make_optimizer, loop_module.EpochMeter = make_optimizer, epoch_meter
+            if ray.train.get_context().get_world_rank() == 0:
+                with open(probe_out, "w") as f:
+                    json.dump({"events": events, "world_size": ray.train.get_context().get_world_size(),
+                               "batch_size": loop_config["config"]["batch_size"],
+                               "torch_threads": torch.get_num_threads(),
+                               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}, f)
+
+    return probed_loop
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[0] != "--probe-out" or argv[2] != "--":
+        print("usage: python -m bench.ours_cli --probe-out FILE -- [raytrain_ddp.run args]", file=sys.stderr)
+        return 2
+    import ray.cloudpickle
+
+    import raytrain_ddp.driver.fit as fit_module
+    from raytrain_ddp import run
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    fit_module.train_loop_per_worker = probed(fit_module.train_loop_per_worker, argv[1])
+    return run.main(argv[3:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

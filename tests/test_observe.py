@@ -1,0 +1,32 @@
+"""Seeing the run: progress during an epoch, and a slowed rank flagged as a straggler."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, tmp_path, monkeypatch):
+    from raytrain_ddp import TrainConfig, fit
+
+    monkeypatch.setenv("RAYTRAIN_TEST_SLOW_DATA", "1:0.4")  # rank 1 waits 0.4 s for every batch
+    result = fit(TrainConfig(num_workers=2, epochs=1, dataset="synthetic-tabular", model="mlp", train_size=2000,
+                             val_size=200, batch_size=50, storage_path=str(tmp_path), name="slow"))
+    assert result.ok, result.summary["error"]
+    epoch = result.epochs[0]
+    wait0, wait1 = epoch["data_wait_seconds_per_rank"]
+    assert wait1 > 7 and wait0 < wait1 / 2  # 20 batches x 0.4 s on rank 1 only
+    assert [s["rank"] for s in epoch["stragglers"]] == [1]
+    assert "input pipeline is the bottleneck" in epoch["stragglers"][0]["why"]
+
+    # driver.log: progress lines with step counts below the epoch's 20 come before the epoch's table row
+    log_lines = (result.run_dir / "driver.log").read_text().splitlines()
+    row = next(i for i, line in enumerate(log_lines) if re.search(r"INFO raytrain_ddp:\s+1\s", line))
+    progress = [line for line in log_lines[:row] if "raytrain_ddp.progress: epoch 1/1: step" in line]
+    assert progress, "no progress line during the epoch"
+    steps = [int(re.search(r"step (\d+)/20", line).group(1)) for line in progress]
+    assert min(steps) < 20 and "samples/s" in progress[0]
+    assert "straggler" in "\n".join(log_lines)
