@@ -3,8 +3,9 @@
 Calls `raytrain_ddp.run.main(CLI ARGS)` (the `python -m raytrain_ddp.run`
 entry point, in this process) after swapping the worker loop Ray Train ships
 to the workers for a wrapper that records, on rank 0, when each epoch's loop
-starts and when each optimizer step ends (an optimizer step post-hook: one
-time.time() and a list append per step; nothing else in the loop changes).
+starts and when each optimizer step ends (one
+time.time() and a list append per step, hooked on EpochMeter.add, which the
+loop calls right after optimizer.step(); nothing else in the loop changes).
 """
 
 from __future__ import annotations
@@ -26,22 +27,25 @@ def probed(loop, probe_out: str):
         import raytrain_ddp.worker.loop as loop_module
 
         events: list = []
-        make_optimizer, epoch_meter = loop_module.make_optimizer, loop_module.EpochMeter
-
-        def recording_optimizer(config, model):
-            optimizer = make_optimizer(config, model)
-            optimizer.register_step_post_hook(lambda opt, args, kwargs: events.append(("s", time.time(), 0)))
-            return optimizer
+        epoch_meter = loop_module.EpochMeter
 
         def recording_meter(*args, **kwargs):
             events.append(("e", time.time()))
-            return epoch_meter(*args, **kwargs)
+            meter = epoch_meter(*args, **kwargs)
+            add = meter.add  # the loop calls meter.add(loss, rows) right after optimizer.step()
 
-        loop_module.make_optimizer, loop_module.EpochMeter = recording_optimizer, recording_meter
+            def recording_add(loss, batch_size):
+                add(loss, batch_size)
+                events.append(("s", time.time(), batch_size))
+
+            meter.add = recording_add
+            return meter
+
+        loop_module.EpochMeter = recording_meter
         try:
             loop(loop_config)
         finally:
-            loop_module.make_optimizer, loop_module.EpochMeter = make_optimizer, epoch_meter
+            loop_module.EpochMeter = epoch_meter
             if ray.train.get_context().get_world_rank() == 0:
                 with open(probe_out, "w") as f:
                     json.dump({"events": events, "world_size": ray.train.get_context().get_world_size(),

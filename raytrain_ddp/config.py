@@ -69,6 +69,7 @@ class TrainConfig:
     hang_timeout_s: int = field(default=300, metadata=_flag("seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"))
     record_sample_ids: bool = field(default=False, metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"))
     tensorboard: bool = field(default=True, metadata=_flag("write TensorBoard event files to RUN_DIR/tensorboard/"))
+    mlflow_uri: Optional[str] = field(default=None, metadata=_flag("also log to MLflow: a tracking server URL or file:///path/mlruns (needs the mlflow extra)"))
     report: bool = field(default=True, metadata=_flag("write the HTML report with plots to RUN_DIR/report/ at the end"))
     # Console
     verbose: bool = field(default=False, metadata=_flag("show Ray's own logs and worker logs on the console"))

@@ -536,7 +536,7 @@ def write_report(run_dir: Path | str) -> Path:
     tmp = index.with_suffix(".html.tmp")
     tmp.write_text(render_html(run, plots), encoding="utf-8")
     tmp.replace(index)
-    log.info("report for %s: %s (%d plots)", run.run_dir, index, len(plots))
+    log.debug("report for %s: %s (%d plots)", run.run_dir, index, len(plots))
     return index
 
 

@@ -30,3 +30,27 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
     steps = [int(re.search(r"step (\d+)/20", line).group(1)) for line in progress]
     assert min(steps) < 20 and "samples/s" in progress[0]
     assert "straggler" in "\n".join(log_lines)
+
+    # Ray's own logs stay off the console but are linked from the run directory; worker lines say who wrote them
+    ray_logs = result.run_dir / "ray-logs"
+    assert ray_logs.is_dir()
+    worker_lines = "".join(p.read_text(errors="replace") for p in ray_logs.rglob("*") if p.is_file() and p.stat().st_size < 50_000_000)
+    assert "[rank 1 on " in worker_lines and "training on cpu from epoch 1" in worker_lines
+
+
+def test_mlflow_file_store_gets_params_and_metrics(ray_address, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ddp import TrainConfig, fit
+
+    uri = f"file://{tmp_path}/mlruns"
+    result = fit(TrainConfig(num_workers=2, epochs=2, dataset="synthetic-tabular", model="mlp", train_size=600,
+                             val_size=100, storage_path=str(tmp_path), name="tracked", mlflow_uri=uri))
+    assert result.ok, result.summary["error"]
+    client = MlflowClient(tracking_uri=uri)
+    run = client.search_runs([client.get_experiment_by_name("raytrain-ddp").experiment_id])[0]
+    assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
+    assert run.data.params["num_workers"] == "2"
+    history = client.get_metric_history(run.info.run_id, "val/accuracy")
+    assert [m.step for m in history] == [1, 2]
+    assert history[-1].value == pytest.approx(result.final_metrics["val_accuracy"])

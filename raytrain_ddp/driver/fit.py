@@ -28,6 +28,7 @@ from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data
 from raytrain_ddp.driver import preflight
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
+from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.models import check_model_fits_data
@@ -193,12 +194,15 @@ def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s
     """
     last_logged = time.time()
     while not stop.wait(POLL_INTERVAL_S):
-        recorder.consume(ray.get(monitor.drain.remote()))
-        if time.time() - recorder.last_news > hang_timeout_s:
-            _end_stalled_attempt(recorder, hang_timeout_s)
-        if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
-            progress_log.info(line)
-            last_logged = time.time()
+        try:
+            recorder.consume(ray.get(monitor.drain.remote()))
+            if time.time() - recorder.last_news > hang_timeout_s:
+                _end_stalled_attempt(recorder, hang_timeout_s)
+            if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
+                progress_log.info(line)
+                last_logged = time.time()
+        except Exception:  # the watcher must outlive a bad message: training goes on regardless
+            log.exception("Error while reading worker news (training continues)")
     recorder.consume(ray.get(monitor.drain.remote()))
 
 
@@ -208,6 +212,8 @@ def fit(config: TrainConfig) -> FitResult:
     started = time.time()
     plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
     check_model_fits_data(config.model, plan.spec.input_shape)
+    if config.mlflow_uri:
+        require_mlflow()
     dashboard_url = connect(config)
     nodes = preflight.node_table()
     preflight.check_fits(config, nodes)
@@ -227,9 +233,10 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
 
     datasets = build_datasets(config, plan)
     monitor = start_monitor()
-    tensorboard = TensorBoardLog(run_dir) if config.tensorboard else None
+    sinks = ([TensorBoardLog(run_dir)] if config.tensorboard else []) + \
+        ([MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else [])
     steps_per_epoch = math.ceil(plan.spec.train_rows // config.num_workers / config.batch_size)
-    recorder = RunRecorder(run_dir, config.num_workers, config.epochs, steps_per_epoch, tensorboard)
+    recorder = RunRecorder(run_dir, config.num_workers, config.epochs, steps_per_epoch, sinks)
     if recorder.epochs:
         log.info("Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
                  config.name, ", ".join(map(str, sorted(recorder.epochs))))
@@ -245,11 +252,12 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
         stop.set()
         watcher.join()
         ray.kill(monitor)
-        if tensorboard:
-            tensorboard.close()
+        for sink in sinks:
+            sink.close()
 
     summary = _summary(config, recorder, result, error, time.time() - started)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _link_ray_logs(run_dir)
     if config.report:
         log.info("Report: %s", write_report(run_dir))
     if error:
@@ -258,6 +266,15 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
         log.info("Finished %d epochs in %.0fs; best checkpoint: %s", summary["epochs_completed"],
                  summary["seconds"], summary["best_checkpoint"])
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
+
+
+def _link_ray_logs(run_dir: Path) -> None:
+    """RUN_DIR/ray-logs -> this node's Ray session logs: Ray's own output, kept off the console."""
+    node = getattr(ray._private.worker, "_global_node", None)  # no public API names the session dir
+    session_dir = node.get_session_dir_path() if node else None
+    link = run_dir / "ray-logs"
+    if session_dir and not link.exists():
+        link.symlink_to(Path(session_dir) / "logs")
 
 
 def _describe_failure(err: Exception) -> str:

@@ -23,7 +23,6 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -85,11 +84,11 @@ class RunRecorder:
     """Turns worker events into metrics.jsonl, table rows and the summary's facts."""
 
     def __init__(self, run_dir: Path, world_size: int, total_epochs: int, steps_per_epoch: int,
-                 tensorboard: TensorBoardLog | None) -> None:
+                 sinks: list) -> None:
         self.run_dir = run_dir
         self.steps_per_epoch = steps_per_epoch
         self._rate_epoch, self._rate_start = 0, (0.0, 0)
-        self.tensorboard = tensorboard
+        self.sinks = sinks  # TensorBoardLog, MlflowLog: anything with write_epoch(record)
         self.world_size = world_size
         self.total_epochs = total_epochs
         self.workers: dict[int, dict] = {}
@@ -173,8 +172,8 @@ class RunRecorder:
         tmp = self.run_dir / "metrics.jsonl.tmp"
         tmp.write_text(lines)
         tmp.replace(self.run_dir / "metrics.jsonl")
-        if self.tensorboard:
-            self.tensorboard.write_epoch(record)
+        for sink in self.sinks:
+            sink.write_epoch(record)
         self._show_row(record)
 
     def _track_position(self, rank: int, progress: dict) -> None:

@@ -46,6 +46,15 @@ def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -
     np.save(directory / f"epoch-{epoch}-rank-{rank}.npy", np.concatenate(batches) if batches else np.empty(0, np.int64))
 
 
+def _label_worker_logs(rank: int) -> None:
+    """Every line this worker logs says which rank and host it came from."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {rank} on {socket.gethostname()}] %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     config = TrainConfig(**loop_config["config"])
     spec = DataSpec(**loop_config["spec"])
@@ -57,6 +66,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         "rank": rank, "hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
         "device": str(device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
     })
+    _label_worker_logs(rank)
     heartbeat = Heartbeat(monitor, rank)
     delays = loop_config.get("test_delays", {})  # test-only switches, see driver/fit.py
     stall, slow_data = delays.get("stall"), delays.get("slow_data")
@@ -74,6 +84,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         epochs_done = ckpt.restore(resume_from, model, optimizer)
         log.info("rank %d resumed from %s after epoch %d", rank, resume_from.path, epochs_done)
 
+    log.info("training on %s from epoch %d", device, epochs_done + 1)
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
     for epoch in range(epochs_done + 1, config.epochs + 1):  # epochs count from 1

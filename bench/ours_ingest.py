@@ -1,0 +1,71 @@
+"""Ingest, ours: the project's Ray Data pipeline feeding 2 consumer actors.
+
+`python -m bench.ours_ingest --data DIR --out FILE`. The train dataset is
+built exactly as a run builds it (raytrain_ddp.data.pipeline.build_datasets:
+read_parquet, seeded per-epoch random_shuffle, map_batches(to_model_inputs):
+PNG decode + crop/flip + normalise) and split by the project's
+ShardingDataConfig (streaming_split(2, equal=True), preserve_order). Two actors
+of 1 CPU each (the training workers' shape) iterate their shard with
+iter_torch_batches, as the worker loop does, and do nothing else. The local
+Ray gets 2 + DATA_CPUS logical CPUs, so Ray Data has DATA_CPUS for its tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import ray
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data
+
+CONSUMERS = 2
+
+
+@ray.remote(num_cpus=1)
+class Consumer:
+    def run(self, shard, epochs: int, batch_size: int) -> list[tuple[float, float, int, float]]:
+        out = []
+        for _ in range(epochs):
+            started, rows, first = time.time(), 0, None
+            for batch in shard.iter_torch_batches(batch_size=batch_size):
+                rows += len(batch["y"])
+                first = first or time.time()
+            out.append((started, time.time(), rows, first))
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--data-cpus", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    ray.init(num_cpus=CONSUMERS + args.data_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, object_store_memory=300 * 2**20,
+             runtime_env={"env_vars": {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}})
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        config = TrainConfig(data=args.data, batch_size=args.batch_size)
+        plan = plan_data(config)
+        datasets = build_datasets(config, plan)
+        shards = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=CONSUMERS,
+                                                worker_handles=None, worker_node_ids=None)
+        consumers = [Consumer.remote() for _ in range(CONSUMERS)]
+        ray.get([c.__ray_ready__.remote() for c in consumers])
+        per_consumer = ray.get([c.run.remote(shards[i]["train"], args.epochs, args.batch_size)
+                                for i, c in enumerate(consumers)])
+    finally:
+        ray.shutdown()
+    epochs = [[per_consumer[c][e] for c in range(CONSUMERS)] for e in range(args.epochs)]
+    with open(args.out, "w") as f:
+        json.dump({"epochs": epochs}, f)
+
+
+if __name__ == "__main__":
+    main()

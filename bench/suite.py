@@ -1,0 +1,350 @@
+"""`python -m bench`: ours (Ray Train, this project) versus plain DDP started by torchrun.
+
+One invocation runs every contender REPEATS times, in rounds; inside a round
+the contenders alternate and the order flips every round (A B, then B A), so
+slow drift of the machine falls on both sides. Every contender is a fresh
+process tree started from here, as a user would start it:
+
+* ours: `python -m raytrain_ddp.run --num-workers W ...` (through
+  bench/ours_cli.py, which only adds a timing probe to rank 0's loop);
+* plain: `python -m torch.distributed.run --nproc-per-node W bench/plain_ddp.py`.
+
+Both use the project's model (cnn, 3x32x32, 10 classes), the same per-worker
+batch, SGD(lr 0.02, momentum 0.9, weight decay 5e-4), the same data
+(synthetic images from raytrain_ddp.data.synthetic in memory, or the same PNG
+Parquet files written by raytrain_ddp.data.prepare.from_arrays) and
+OMP_NUM_THREADS=1 in every process (what Ray sets for a 1-CPU worker and what
+torchrun sets for nproc > 1; the probes record torch.get_num_threads()).
+
+Figures (each: median and min..max over the repeats; ratios are taken per round):
+1. steady-state samples/s: rank 0's clock, epochs >= 2, from step 10 to the
+   last step of each epoch (epoch boundaries left out on both sides);
+2. time to first step: from launching the command to the end of rank 0's
+   first optimizer step, the same event on both sides;
+3. ingest images/s to 2 consumers from the PNG Parquet files: the project's
+   Ray Data pipeline (build_datasets + ShardingDataConfig) versus DataLoader +
+   DistributedSampler, same number of loader CPUs, second pass over the data;
+4. scaling: ours with 1 and 2 workers, efficiency = thr_2 / (2 * thr_1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from bench.common import ROOT, first_step_time, steady_samples_per_s
+
+PY = sys.executable
+RESULTS = ROOT / "bench" / "results"
+RUN_TIMEOUT_S = 420
+TARGETS = {  # figure -> (comparison, bound)
+    "throughput": (">=", 0.98),
+    "throughput_parquet": (">=", 0.98),
+    "first_step": ("<=", 2.0),
+    "ingest": (">=", 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    train_size: int  # training rows (in memory; the Parquet train split is about as large)
+    val_size: int
+    epochs: int
+    batch_size: int
+    repeats: int
+    ingest_epochs: int
+    loader_cpus: int  # loader CPUs for ingest (Ray Data's logical CPUs / DataLoader workers, in total)
+
+
+QUICK = Sizes(train_size=2048, val_size=128, epochs=2, batch_size=64, repeats=1, ingest_epochs=2, loader_cpus=2)
+FULL = Sizes(train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_epochs=2, loader_cpus=2)
+
+
+# ----------------------------------------------------------------- processes
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # always a fresh local Ray of our own
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run(cmd: list[str], log: Path) -> float:
+    """Run a contender to completion; returns its launch time (time.time())."""
+    with open(log, "w") as out:
+        launched = time.time()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); last lines of {log}:\n{tail}")
+    return launched
+
+
+def _torchrun(workers: int) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers)]
+
+
+class Bench:
+    def __init__(self, sizes: Sizes, work: Path):
+        self.sizes, self.work, self.count = sizes, work, 0
+        self.parquet_dir = work / "parquet"
+
+    def _next(self, label: str) -> Path:
+        self.count += 1
+        return self.work / f"{self.count:02d}-{label}"
+
+    def prepare_parquet(self) -> None:
+        """The Parquet files both contenders read: the synthetic images, PNG-encoded."""
+        import numpy as np
+
+        from raytrain_ddp.data import synthetic
+        from raytrain_ddp.data.prepare import from_arrays
+
+        rows = synthetic.image_rows(np.arange(round(self.sizes.train_size / 0.9)), seed=0)
+        from_arrays(rows["image"], rows["label"], [str(c) for c in range(synthetic.NUM_CLASSES)],
+                    str(self.parquet_dir), val_fraction=0.1, seed=0, layout="NCHW", encoding="png",
+                    rows_per_file=1024)
+
+    def ours_train(self, workers: int, data: str) -> dict:
+        s = self.sizes
+        base = self._next(f"ours-{data}-{workers}w")
+        probe = base.with_suffix(".probe.json")
+        args = ["--num-workers", str(workers), "--epochs", str(s.epochs), "--batch-size", str(s.batch_size),
+                "--storage-path", str(self.work / "runs"), "--name", base.name,
+                "--no-tensorboard", "--no-report", "--seed", "0"]
+        args += (["--data", str(self.parquet_dir)] if data == "parquet"
+                 else ["--train-size", str(s.train_size), "--val-size", str(s.val_size)])
+        launched = _run([PY, "-m", "bench.ours_cli", "--probe-out", str(probe), "--", *args],
+                        base.with_suffix(".log"))
+        result = self._figures(json.loads(probe.read_text()), launched)
+        metrics = [json.loads(line) for line in (self.work / "runs" / base.name / "metrics.jsonl").read_text().splitlines()]
+        result["epoch_samples_per_s"] = statistics.mean(m["samples_per_second"] for m in metrics[1:] or metrics)
+        return result
+
+    def plain_train(self, workers: int, data: str) -> dict:
+        s = self.sizes
+        base = self._next(f"plain-{data}-{workers}w")
+        probe = base.with_suffix(".probe.json")
+        launched = _run([*_torchrun(workers), "bench/plain_ddp.py",
+                         "--data", "memory" if data == "memory" else str(self.parquet_dir),
+                         "--train-size", str(s.train_size), "--epochs", str(s.epochs),
+                         "--batch-size", str(s.batch_size), "--loader-workers", "1", "--out", str(probe)],
+                        base.with_suffix(".log"))
+        return self._figures(json.loads(probe.read_text()), launched)
+
+    @staticmethod
+    def _figures(probe: dict, launched: float) -> dict:
+        return {"samples_per_s": steady_samples_per_s(probe["events"], probe["world_size"]),
+                "first_step_s": first_step_time(probe["events"]) - launched,
+                "torch_threads": probe["torch_threads"], "omp_num_threads": probe["omp_num_threads"]}
+
+    def ours_ingest(self) -> dict:
+        s = self.sizes
+        base = self._next("ours-ingest")
+        out = base.with_suffix(".json")
+        _run([PY, "-m", "bench.ours_ingest", "--data", str(self.parquet_dir), "--epochs", str(s.ingest_epochs),
+              "--batch-size", str(s.batch_size), "--data-cpus", str(s.loader_cpus), "--out", str(out)],
+             base.with_suffix(".log"))
+        return _ingest_rate(json.loads(out.read_text())["epochs"][-1])
+
+    def plain_ingest(self) -> dict:
+        s = self.sizes
+        base = self._next("plain-ingest")
+        _run([*_torchrun(2), "bench/plain_ingest.py", "--data", str(self.parquet_dir), "--epochs",
+              str(s.ingest_epochs), "--batch-size", str(s.batch_size),
+              "--loader-workers", str(max(1, s.loader_cpus // 2)), "--out", str(base)], base.with_suffix(".log"))
+        per_rank = [json.loads(Path(f"{base}.{r}.json").read_text())["epochs"] for r in range(2)]
+        return _ingest_rate([epochs[-1] for epochs in per_rank])
+
+
+def _ingest_rate(consumers: list) -> dict:
+    """Images/s delivered to all consumers in one pass: rows / (last end - first start),
+    and the wait for the first batch (slowest consumer) inside that pass."""
+    rows, start = sum(c[2] for c in consumers), min(c[0] for c in consumers)
+    return {"images_per_s": rows / (max(c[1] for c in consumers) - start),
+            "first_batch_s": max(c[3] for c in consumers) - start}
+
+
+# ------------------------------------------------------------------- figures
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def machine() -> dict:
+    model = platform.processor() or "?"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cores": os.cpu_count(), "cpu": model, "python": platform.python_version(),
+            "torch": metadata.version("torch"), "ray": metadata.version("ray"),
+            "os": f"{platform.system()} {platform.release()}",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def run_suite(sizes: Sizes, log=print) -> dict:
+    samples: dict[str, list] = {k: [] for k in (
+        "ours_mem", "plain_mem", "ours_1w", "ours_pq", "plain_pq", "ours_ingest", "plain_ingest")}
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as tmp:
+        bench = Bench(sizes, Path(tmp))
+        bench.prepare_parquet()
+        for round_ in range(sizes.repeats):
+            flip = round_ % 2 == 1  # A B in even rounds, B A in odd ones
+
+            def pair(first, second):
+                return (second(), first())[::-1] if flip else (first(), second())
+
+            def say(text):
+                log(f"  [round {round_ + 1}/{sizes.repeats}, {time.time() - started:4.0f}s] {text}")
+
+            o, p = pair(lambda: bench.ours_train(2, "memory"), lambda: bench.plain_train(2, "memory"))
+            samples["ours_mem"].append(o), samples["plain_mem"].append(p)
+            say(f"in memory: ours {o['samples_per_s']:.0f}, plain {p['samples_per_s']:.0f} samples/s; "
+                f"first step ours {o['first_step_s']:.1f}s, plain {p['first_step_s']:.1f}s")
+            one = bench.ours_train(1, "memory")
+            samples["ours_1w"].append(one)
+            say(f"ours, 1 worker: {one['samples_per_s']:.0f} samples/s")
+            o, p = pair(lambda: bench.ours_train(2, "parquet"), lambda: bench.plain_train(2, "parquet"))
+            samples["ours_pq"].append(o), samples["plain_pq"].append(p)
+            say(f"Parquet PNG: ours {o['samples_per_s']:.0f}, plain {p['samples_per_s']:.0f} samples/s")
+            o, p = pair(bench.ours_ingest, bench.plain_ingest)
+            samples["ours_ingest"].append(o), samples["plain_ingest"].append(p)
+            say(f"ingest: ours {o['images_per_s']:.0f}, plain {p['images_per_s']:.0f} images/s "
+                f"(first batch after {o['first_batch_s']:.2f}s / {p['first_batch_s']:.2f}s)")
+    return summarise(samples, sizes, time.time() - started)
+
+
+def summarise(samples: dict, sizes: Sizes, seconds: float) -> dict:
+    def field(name, key):
+        return [r[key] for r in samples[name]]
+
+    figures = {
+        "throughput": ("samples/s", field("ours_mem", "samples_per_s"), field("plain_mem", "samples_per_s")),
+        "throughput_parquet": ("samples/s", field("ours_pq", "samples_per_s"), field("plain_pq", "samples_per_s")),
+        "first_step": ("s", field("ours_mem", "first_step_s"), field("plain_mem", "first_step_s")),
+        "ingest": ("images/s", field("ours_ingest", "images_per_s"), field("plain_ingest", "images_per_s")),
+    }
+    out: dict = {"figures": {}}
+    for name, (unit, ours, plain) in figures.items():
+        ratios = [a / b for a, b in zip(ours, plain)]
+        cmp, bound = TARGETS[name]
+        median = statistics.median(ratios)
+        out["figures"][name] = {"unit": unit, "ours": spread(ours), "plain": spread(plain), "ratio": spread(ratios),
+                                "target": f"{cmp} {bound}",
+                                "met": median >= bound if cmp == ">=" else median <= bound}
+        out[f"{name}_ratio"] = median
+    one, two = field("ours_1w", "samples_per_s"), field("ours_mem", "samples_per_s")
+    efficiency = [b / (2 * a) for a, b in zip(one, two)]
+    out["figures"]["scaling"] = {"unit": "samples/s", "workers_1": spread(one), "workers_2": spread(two),
+                                 "efficiency": spread(efficiency)}
+    out["scaling_efficiency"] = statistics.median(efficiency)
+    out["threads"] = {name: sorted({(r["torch_threads"], r["omp_num_threads"]) for r in samples[name]})
+                      for name in ("ours_mem", "plain_mem", "ours_1w", "ours_pq", "plain_pq")}
+    out["ingest_first_batch_s"] = {"ours": spread(field("ours_ingest", "first_batch_s")),
+                                   "plain": spread(field("plain_ingest", "first_batch_s"))}
+    out["ours_epoch_samples_per_s"] = spread(field("ours_mem", "epoch_samples_per_s"))
+    out["sizes"] = sizes.__dict__
+    out["machine"] = machine()
+    out["seconds"] = round(seconds, 1)
+    return out
+
+
+# ------------------------------------------------------------------- output
+def _fmt(value: float, unit: str) -> str:
+    return f"{value:.1f}" if unit == "s" else f"{value:,.0f}"
+
+
+def _cell(s: dict, unit: str) -> str:
+    return f"{_fmt(s['median'], unit)} ({_fmt(s['min'], unit)}..{_fmt(s['max'], unit)})"
+
+
+def _ratio(s: dict) -> str:
+    return f"{s['median']:.2f} ({s['min']:.2f}..{s['max']:.2f})"
+
+
+def markdown(result: dict, mode: str) -> str:
+    m, sz, f = result["machine"], result["sizes"], result["figures"]
+    labels = {"throughput": "Steady-state throughput, in memory (samples/s)",
+              "throughput_parquet": "Steady-state throughput, Parquet PNG (samples/s)",
+              "first_step": "Time to first step from command start (s)",
+              "ingest": "Ingest to 2 consumers, Parquet PNG (images/s)"}
+    lines = [f"# raytrain-ddp benchmark ({mode})", "",
+             f"Machine: {m['cores']} cores, {m['cpu']}; {m['os']}; Python {m['python']}, torch {m['torch']}, "
+             f"ray {m['ray']}; {m['date']}.",
+             f"Sizes: {sz['train_size']} training rows, batch {sz['batch_size']} per worker, {sz['epochs']} epochs, "
+             f"{sz['repeats']} repeat(s) alternating ours/plain; OMP_NUM_THREADS=1 everywhere; "
+             f"{sz['loader_cpus']} loader CPUs for ingest. Total {result['seconds']:.0f}s.", "",
+             "Values: median (min..max) over the repeats; ratios are ours / plain, per round.", "",
+             "| Figure | Ours (Ray Train) | Plain DDP (torchrun) | Ratio | Target | Met |",
+             "|---|---|---|---|---|---|"]
+    for name, label in labels.items():
+        g = f[name]
+        lines.append(f"| {label} | {_cell(g['ours'], g['unit'])} | {_cell(g['plain'], g['unit'])} | "
+                     f"{_ratio(g['ratio'])} | {g['target']} | {'yes' if g['met'] else 'NO'} |")
+    s = f["scaling"]
+    lines += ["", "| Scaling (ours, in memory) | 1 worker | 2 workers | Efficiency thr2 / (2 x thr1) |",
+              "|---|---|---|---|",
+              f"| samples/s | {_cell(s['workers_1'], 'x')} | {_cell(s['workers_2'], 'x')} | {_ratio(s['efficiency'])} |",
+              "", "Method: steady state = rank 0's step clock over epochs >= 2, steps 10..last of each epoch "
+              "(no epoch boundaries: validation, checkpointing and reshuffling are outside it on both sides). "
+              "First step = from launching the command (`python -m raytrain_ddp.run` / torchrun) to the end of "
+              "rank 0's first optimizer step, both read on this machine's clock. Ingest = second pass over the "
+              "Parquet train split, rows delivered to both consumers / (last end - first start). "
+              f"Ours' own per-epoch samples/s (metrics.jsonl, epochs >= 2, whole epoch incl. first-batch wait): "
+              f"{_cell(result['ours_epoch_samples_per_s'], 'x')}. Ingest wait for the first batch of the pass: ours "
+              f"{_cell(result['ingest_first_batch_s']['ours'], 's')} s, plain {_cell(result['ingest_first_batch_s']['plain'], 's')} s.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny data, 1 repeat (a couple of minutes; for CI)")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as one JSON object to FILE")
+    parser.add_argument("--md", metavar="FILE", help="where the Markdown table goes "
+                        "(default: bench/results/latest.md, or latest-quick.md with --quick)")
+    parser.add_argument("--repeats", type=int, help="override the number of rounds")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.repeats:
+        sizes = Sizes(**{**sizes.__dict__, "repeats": args.repeats})
+    mode = "quick" if args.quick else "full"
+    print(f"raytrain-ddp benchmark, {mode} mode: {sizes.repeats} round(s)", file=sys.stderr, flush=True)
+    try:
+        result = run_suite(sizes, log=lambda text: print(text, file=sys.stderr, flush=True))
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    result["mode"] = mode
+    table = markdown(result, mode)
+    print(table)
+    md = Path(args.md) if args.md else RESULTS / ("latest-quick.md" if args.quick else "latest.md")
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    bad = [k for k in ("throughput_ratio", "first_step_ratio", "ingest_ratio", "scaling_efficiency")
+           if not (isinstance(result[k], float) and math.isfinite(result[k]) and result[k] > 0)]
+    return 1 if bad else 0
