@@ -15,3 +15,10 @@ def run_cli(module: str, *args: str, timeout: float = 600, env: dict | None = No
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=full_env)
+
+
+def run_python_file(path: Path, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a script as a user would (`python path`), with the repo importable."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env=full_env)
