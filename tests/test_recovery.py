@@ -102,3 +102,12 @@ def test_rerunning_the_same_command_resumes_the_run(ray_address, tmp_path):
     assert _epochs(tmp_path / "resumable") == [1, 2, 3]
     summary = json.loads((tmp_path / "resumable" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs_completed"] == 3
+
+
+def test_nonfinite_loss_stops_the_run_naming_where(ray_address, tmp_path):
+    from raytrain_ddp import fit
+
+    result = fit(_config(tmp_path, "diverged", epochs=1, dataset="synthetic-tabular", model="mlp", train_size=512,
+                         val_size=64, lr=1e12, max_failures=0))
+    assert not result.ok
+    assert "training loss is" in result.summary["error"] and "at epoch 1, by step" in result.summary["error"]
