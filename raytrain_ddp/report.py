@@ -62,6 +62,18 @@ class Run:
         return max(lengths, default=0)
 
 
+def _read_optional(path: Path, parse, notes: list[str], if_unreadable: str, if_missing: str):
+    """Parse a file the report can do without; say in `notes` why it is absent."""
+    if not path.exists():
+        notes.append(f"no {path.name}: {if_missing}")
+        return None
+    try:
+        return parse(path.read_text())
+    except (OSError, ValueError) as err:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        notes.append(f"{path.name} is unreadable ({err}); {if_unreadable}")
+        return None
+
+
 def load_run(run_dir: Path | str) -> Run:
     """Read a run directory. Raises ReportError when it is not one."""
     run_dir = Path(run_dir)
@@ -72,14 +84,8 @@ def load_run(run_dir: Path | str) -> Run:
         raise ReportError(f"{run_dir} has no metrics.jsonl (nor summary.json): not a run directory")
     notes: list[str] = []
 
-    summary: dict = {}
-    if summary_path.exists():
-        try:
-            summary = json.loads(summary_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            notes.append(f"summary.json is unreadable ({err}); showing metrics only")
-    else:
-        notes.append("no summary.json: the run is still going, or its driver stopped before writing one")
+    summary = _read_optional(summary_path, json.loads, notes, "showing metrics only",
+                             "the run is still going, or its driver stopped before writing one") or {}
 
     by_epoch: dict[Any, dict] = {}
     if metrics_path.exists():
@@ -95,15 +101,8 @@ def load_run(run_dir: Path | str) -> Run:
                 by_epoch[record["epoch"]] = record  # an epoch repeated after a restart: the last one counts
     epochs = [by_epoch[e] for e in sorted(by_epoch, key=lambda e: (not isinstance(e, (int, float)), e))]
 
-    config = None
-    config_path = run_dir / "config.toml"
-    if config_path.exists():
-        try:
-            config = tomllib.loads(config_path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            notes.append(f"config.toml is unreadable ({err})")
-    else:
-        notes.append("no config.toml in the run directory")
+    config = _read_optional(run_dir / "config.toml", tomllib.loads, notes, "no configuration shown",
+                            "no configuration shown")
     for note in notes:
         log.warning("%s: %s", run_dir, note)
     return Run(run_dir, summary, epochs, config, notes)

@@ -93,7 +93,7 @@ def connect(config: TrainConfig) -> str | None:
             raise ConfigError(f"cannot connect to the Ray cluster at {address or 'a new local instance'}: {first_line}") from None
         url = context.dashboard_url
     else:
-        url = ray.get_runtime_context().gcs_address and ray.worker.get_dashboard_url()
+        url = ray._private.worker.get_dashboard_url()  # already connected (a notebook, a test session)
     ray.data.DataContext.get_current().enable_progress_bars = config.verbose
     return f"http://{url}" if url and not url.startswith("http") else url
 
