@@ -33,13 +33,23 @@ class RunMonitor:
 
     def __init__(self) -> None:
         self._events: list[tuple] = []
+        self._stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """The driver asks every rank to checkpoint at the next step boundary and return (preemption)."""
+        self._stop_reason = self._stop_reason or reason
+
+    def stop_requested(self) -> str | None:
+        return self._stop_reason
 
     def worker_started(self, rank: int, info: dict) -> None:
         self._events.append(("started", rank, info))
 
-    def progress(self, rank: int, epoch: int, steps: int, samples: int, loss: float, phase: str) -> None:
+    def progress(self, rank: int, epoch: int, steps: int, samples: int, loss: float, phase: str) -> str | None:
+        """Record where a rank is; answer whether the driver wants the run stopped."""
         self._events.append(("progress", rank, {"epoch": epoch, "steps": steps, "samples": samples,
                                                 "loss": loss, "phase": phase, "time": time.time()}))
+        return self._stop_reason
 
     def epoch_finished(self, rank: int, metrics: dict) -> None:
         self._events.append(("epoch", rank, metrics))
