@@ -43,6 +43,9 @@ progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
 progress_log.propagate = False
 
 POLL_INTERVAL_S = 0.5
+# Before any rank has reported, the wait is start-up (processes, imports, the process
+# group), slow on a busy node: the watchdog allows this long, or --hang-timeout-s if longer.
+STARTUP_GRACE_S = 120
 PROGRESS_LOG_INTERVAL_S = 5.0
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
@@ -208,8 +211,9 @@ def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s
     while not stop.wait(POLL_INTERVAL_S):
         try:
             recorder.consume(ray.get(monitor.drain.remote()))
-            if time.time() - recorder.last_news > hang_timeout_s:
-                _end_stalled_attempt(recorder, hang_timeout_s)
+            allowed_s = hang_timeout_s if recorder.any_rank_training else max(hang_timeout_s, STARTUP_GRACE_S)
+            if time.time() - recorder.last_news > allowed_s:
+                _end_stalled_attempt(recorder, allowed_s)
             if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
                 progress_log.info(line)
                 last_logged = time.time()

@@ -214,6 +214,10 @@ class RunRecorder:
         parts += [f"rank {r} on {self.workers[r].get('hostname', '?')}: no news since it started" for r in silent]
         return "; ".join(parts) or "no worker has reported yet"
 
+    @property
+    def any_rank_training(self) -> bool:
+        return bool(self._progress)
+
     def stuck_rank(self) -> int | None:
         """The rank furthest behind (lowest epoch and step), the likeliest culprit of a stall."""
         if not self._progress:
