@@ -242,8 +242,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         rank_metrics = {
             "epoch": epoch, "rank": rank, "train_loss": meter.mean_loss(), "samples": meter.samples,
             "steps": meter.steps, "optimizer_steps": steps_in_epoch, "skipped_steps": skipped_steps,
-            "grad_allreduces": trainer.grad_syncs.calls, "lr": trainer.lr, "train_seconds": train_seconds,
-            "data_wait_seconds": meter.data_wait_s,
+            "grad_allreduces": trainer.grad_syncs.calls if config.strategy == "ddp" else None,  # FSDP: not counted
+            "lr": trainer.lr, "train_seconds": train_seconds, "data_wait_seconds": meter.data_wait_s,
             "step_seconds": (train_seconds - meter.data_wait_s) / max(meter.steps, 1), **val_metrics,
         }
         trainer.grad_syncs.calls = 0
