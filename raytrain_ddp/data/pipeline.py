@@ -1,47 +1,67 @@
-"""Ray Data pipelines that feed the training workers (runs on the driver).
+"""Ray Data pipelines that feed the training workers.
 
-Train and val datasets flow through the same steps: a source of rows (Parquet
-files read with ``ray.data.read_parquet``, or the built-in generated data), a
-per-epoch global shuffle (train only), and a CPU transform in ``map_batches``
-(decode, augment for train, normalise) to ``{"id", "x", "y"}``. All of it runs
-in Ray Data tasks, outside the training step, and Ray Train prefetches
-batches, so a GPU worker does not wait on decode.
+Both splits are read in *units*: a Parquet row group, read with pyarrow in a
+Ray Data task, or, for the built-in data, a chunk of ``ROWS_PER_CHUNK`` rows
+generated and normalised once per run and kept in Ray's object store. A Ray
+Data task turns a unit's rows into ``{"id", "x", "y"}`` (decode, augment for
+train, normalise), outside the training step, and Ray Data prefetches, so a
+GPU worker does not wait on decode.
 
-:class:`ShardingDataConfig` then splits each epoch, DistributedSampler-style:
+Train, every epoch (:func:`epoch_batches`, which each rank calls with the
+epoch number), DistributedSampler-style over units:
 
-* train: ``streaming_split(equal=True)``: each rank gets a disjoint, equally
-  sized shard, so every rank runs the same number of steps and DDP never waits
-  on an all-reduce one rank does not join. Up to ``world_size - 1`` rows of an
-  epoch are left out to make the shards equal (which ones changes per epoch).
-* val: ``equal=False``: every row is evaluated exactly once, on some rank;
-  the worker then all-reduces the sums so every rank holds the same numbers.
+* the units are put in an order drawn from ``(seed, epoch)``; rank r takes
+  rows ``[r * n, (r + 1) * n)`` of that sequence, ``n = rows // world_size``.
+  So the shards are disjoint and equal (every rank runs the same number of
+  steps: DDP never waits on an all-reduce one rank does not join), and they
+  cover every row but the last ``rows % world_size`` (fewer than world_size;
+  which ones changes per epoch), with a new split of rows between ranks;
+* each rank reads its units in that order, in parallel Ray Data tasks, and
+  mixes their rows in a local shuffle buffer of ``SHUFFLE_BUFFER_ROWS`` rows
+  seeded from ``(seed, epoch, rank)``.
 
-The shuffle is seeded with ``RandomSeedConfig(seed, reseed_after_execution=True)``
-and order is preserved, so each epoch has a new order, and a second run with
-the same seed repeats the first, epoch by epoch.
+The order of epoch E is therefore a function of ``(seed, E, world_size)``
+only: a second run with the same seed repeats the first, and a run resumed at
+epoch E (driver restarted, or Ray Train restarting the worker group) sees what
+the uninterrupted run saw. No all-to-all shuffle runs, so the first batch of an
+epoch waits for one unit, not for the whole training set.
+
+Shuffle quality, against a global row shuffle: a batch draws its rows from the
+``SHUFFLE_BUFFER_ROWS``-row window of a few units that are neighbours in the
+epoch's order (random units, but whole ones). Rows stored in a meaningful
+order, e.g. sorted by label, therefore share batches more than they would
+under a global shuffle; such data should be shuffled once when written (as
+``prepare`` does), or written with small row groups.
+
+Val is read in storage order and split with ``streaming_split(equal=False)``:
+every row is evaluated exactly once, on some rank; the worker then all-reduces
+the sums so every rank holds the same numbers.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.parquet as pq
 import ray
 import ray.data
-from ray.data import RandomSeedConfig
+from ray.data import ExecutionOptions
 from ray.train import DataConfig
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data import synthetic
+from raytrain_ddp.data import paths, synthetic
 from raytrain_ddp.data.format import decode_images
 from raytrain_ddp.data.validate import check_dataset
 from raytrain_ddp.errors import ConfigError
 
 log = logging.getLogger("raytrain_ddp")
 
-ROWS_PER_BLOCK = 1024
+ROWS_PER_CHUNK = 1024  # built-in rows per cached chunk (a unit)
+TRANSFORM_ROWS = 256  # rows decoded at a time, so a unit's first batch streams out early
+SHUFFLE_BUFFER_ROWS = 1024  # a rank's local shuffle window: rows of neighbouring units mixed together
 CROP_PADDING = 4  # pixels of reflection padding before the random crop
 
 
@@ -169,48 +189,165 @@ def read_split_rows(config: TrainConfig, split: str) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------ datasets
-def _synthetic_source(config: TrainConfig, ids: np.ndarray) -> ray.data.Dataset:
-    generate = synthetic.GENERATORS[config.dataset]
-    seed, first_id = config.seed, int(ids[0])  # ids are contiguous: train 0..n-1, val after them
-    return ray.data.range(len(ids), override_num_blocks=max(1, len(ids) // ROWS_PER_BLOCK)).map_batches(
-        lambda batch: generate(batch["id"] + first_id, seed), batch_size=None
-    ).materialize()  # generated once, shuffled and transformed every epoch
+@dataclass(frozen=True)
+class SplitSource:
+    """One split as units that a Ray Data task reads whole (plain values and object refs only).
+
+    A unit is a Parquet row group (`row_groups`: file URI and index, read as
+    `columns`), or a chunk of built-in rows already turned into model inputs
+    (`chunks`).
+    """
+
+    spec: DataSpec
+    unit_rows: tuple[int, ...]
+    row_groups: tuple[tuple[str, int], ...] = ()
+    columns: tuple[str, ...] = ()
+    chunks: tuple[ray.ObjectRef, ...] = ()
+
+    @property
+    def augments(self) -> bool:
+        """Random crop and flip for encoded images (the built-in images are not augmented)."""
+        return self.spec.kind == "image" and self.spec.encoding != "array"
 
 
-def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, ray.data.Dataset]:
-    """The train and val Ray Datasets that `plan` describes."""
-    spec = plan.spec
+def _seed_of(*entropy: int) -> int:
+    """One 32-bit seed from several integers (Ray Data's local shuffle takes an int)."""
+    return int(np.random.SeedSequence(list(entropy)).generate_state(1)[0])
+
+
+def _read_piece(source: SplitSource, unit: int, start: int, stop: int) -> dict[str, np.ndarray]:
+    """Rows [start, stop) of a unit: as stored (Parquet) or as model inputs (built-in chunks)."""
+    if source.chunks:
+        chunk = ray.get(source.chunks[unit])
+        return {name: values[start:stop] for name, values in chunk.items()}
+    uri, row_group = source.row_groups[unit]
+    location = paths.resolve(uri)
+    with location.filesystem.open_input_file(location.path) as file:
+        table = pq.ParquetFile(file).read_row_group(row_group, columns=list(source.columns))
+    table = table.slice(start, stop - start)
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
+def _piece_inputs(batch: dict[str, np.ndarray], source: SplitSource, pieces: list[tuple[int, int, int]],
+                  augment_seed: int | None) -> Iterator[dict[str, np.ndarray]]:
+    """map_batches over piece numbers: one piece's model inputs, yielded in slices so batches stream."""
+    rows = _read_piece(source, *pieces[int(batch["id"][0])])
+    if source.chunks:
+        yield rows
+        return
+    for at in range(0, len(rows[source.spec.label_column]), TRANSFORM_ROWS):
+        yield to_model_inputs({name: values[at:at + TRANSFORM_ROWS] for name, values in rows.items()},
+                              source.spec, augment_seed)
+
+
+def _pieces_dataset(source: SplitSource, pieces: list[tuple[int, int, int]],
+                    augment_seed: int | None = None) -> ray.data.Dataset:
+    """A Dataset of the given (unit, start, stop) pieces' model inputs, one Ray Data task per piece."""
+    # from_items, not range: its blocks are made here, so each task reads and transforms in one go
+    numbers = [{"id": number} for number in range(len(pieces))]
+    return ray.data.from_items(numbers, override_num_blocks=max(1, len(pieces))).map_batches(
+        _piece_inputs, batch_size=1, batch_format="numpy",
+        fn_kwargs={"source": source, "pieces": pieces, "augment_seed": augment_seed})
+
+
+def epoch_pieces(unit_rows: Sequence[int], seed: int, epoch: int, rank: int,
+                 world_size: int) -> list[tuple[int, int, int]]:
+    """Rank's (unit, start, stop) pieces of an epoch, in order: rows [rank * n, (rank + 1) * n)
+    of the units in the order drawn from (seed, epoch), n = all rows // world_size."""
+    per_rank = sum(unit_rows) // world_size
+    first, last = rank * per_rank, (rank + 1) * per_rank
+    pieces, offset = [], 0
+    for unit in np.random.default_rng([seed, epoch]).permutation(len(unit_rows)):
+        start, stop = max(first, offset), min(last, offset + unit_rows[unit])
+        if start < stop:
+            pieces.append((int(unit), start - offset, stop - offset))
+        offset += unit_rows[unit]
+    return pieces
+
+
+@dataclass(frozen=True)
+class TrainShard:
+    """What Ray Train hands each rank for "train": the split's layout and the rank; the rows come per epoch."""
+
+    source: SplitSource
+    rank: int
+    world_size: int
+    execution_options: ExecutionOptions
+
+
+def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) -> Iterable[dict]:
+    """This rank's torch batches of `epoch` (counted from 1): a function of (seed, epoch, rank, world size)."""
+    pieces = epoch_pieces(shard.source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
+    augment_seed = _seed_of(config.seed, epoch) if shard.source.augments else None
+    dataset = _pieces_dataset(shard.source, pieces, augment_seed)
+    dataset.context.execution_options = shard.execution_options
+    return dataset.iter_torch_batches(batch_size=config.batch_size, device=device,
+                                      local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
+                                      local_shuffle_seed=_seed_of(config.seed, epoch, shard.rank))
+
+
+@ray.remote
+def _built_in_chunk(dataset: str, ids: np.ndarray, seed: int, spec: DataSpec) -> dict[str, np.ndarray]:
+    return to_model_inputs(synthetic.GENERATORS[dataset](ids, seed), spec)
+
+
+def _built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> SplitSource:
+    """Chunks generated and normalised once, in Ray tasks the driver does not wait for: they run
+    while the worker group starts, and the first read of a chunk waits for it."""
+    pieces = [ids[at:at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
+    return SplitSource(spec, tuple(len(piece) for piece in pieces),
+                       chunks=tuple(_built_in_chunk.remote(config.dataset, piece, config.seed, spec)
+                                    for piece in pieces))
+
+
+def _parquet_source(spec: DataSpec, uris: Sequence[str]) -> SplitSource:
+    """Every row group of the files, in order, from their footers."""
+    row_groups, unit_rows, schemas = [], [], []
+    for uri in uris:
+        location = paths.resolve(uri)
+        with location.filesystem.open_input_file(location.path) as file:
+            metadata = pq.ParquetFile(file).metadata
+        schemas.append(metadata.schema)
+        for index in range(metadata.num_row_groups):
+            if metadata.row_group(index).num_rows:
+                row_groups.append((uri, index))
+                unit_rows.append(metadata.row_group(index).num_rows)
+    with_id = ["id"] if "id" in schemas[0].names else []
+    return SplitSource(spec, tuple(unit_rows), row_groups=tuple(row_groups), columns=tuple(_columns(spec) + with_id))
+
+
+def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, SplitSource | ray.data.Dataset]:
+    """What Ray Train gets as `datasets`: the train split's layout (each rank reads its rows per
+    epoch, see epoch_batches) and the val Ray Dataset, in storage order."""
     if plan.train_paths:
-        with_id = _columns(spec) + (["id"] if "id" in pq.read_schema(plan.train_paths[0]).names else [])
-        sources = {"train": ray.data.read_parquet(list(plan.train_paths), columns=with_id),
-                   "val": ray.data.read_parquet(list(plan.val_paths), columns=with_id)}
+        train, val = _parquet_source(plan.spec, plan.train_paths), _parquet_source(plan.spec, plan.val_paths)
     else:
         train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
-        sources = {"train": _synthetic_source(config, train_ids), "val": _synthetic_source(config, val_ids)}
-    shuffle_seed = RandomSeedConfig(seed=config.seed, reseed_after_execution=True)
-    augment_seed = config.seed if spec.kind == "image" and spec.encoding != "array" else None
-    datasets = {
-        "train": sources["train"].random_shuffle(seed=shuffle_seed).map_batches(
-            to_model_inputs, fn_kwargs={"spec": spec, "augment_seed": augment_seed}, batch_format="numpy"),
-        "val": sources["val"].map_batches(to_model_inputs, fn_kwargs={"spec": spec}, batch_format="numpy"),
-    }
-    return datasets
+        train, val = (_built_in_source(config, plan.spec, train_ids),
+                      _built_in_source(config, plan.spec, val_ids))
+    whole_units = [(unit, 0, rows) for unit, rows in enumerate(val.unit_rows)]
+    return {"train": train, "val": _pieces_dataset(val, whole_units)}
 
 
 class ShardingDataConfig(DataConfig):
-    """Equal train shards (no DDP hang), exact val shards (no row lost or repeated)."""
+    """Equal train shards drawn per epoch (no DDP hang), exact val shards (no row lost or repeated)."""
 
     def __init__(self) -> None:
         options = DataConfig.default_ingest_options()
-        options.preserve_order = True  # deterministic shard assignment from the seed
+        options.preserve_order = True  # blocks in piece order: the epoch's order is the seed's
         super().__init__(datasets_to_split=["train", "val"], execution_options=options)
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        # Ray Train calls this once per dataset name.
+        # Ray Train calls this once per dataset name and hands rank r shards[r][name].
         shards = [{} for _ in range(world_size)]
         for name, dataset in datasets.items():
+            options = self._resolve_execution_options(name)
+            if isinstance(dataset, SplitSource):
+                for rank in range(world_size):
+                    shards[rank][name] = TrainShard(dataset, rank, world_size, options)
+                continue
             dataset = dataset.copy(dataset)
-            dataset.context.execution_options = self._resolve_execution_options(name)
-            for rank, split in enumerate(dataset.streaming_split(world_size, equal=name == "train")):
+            dataset.context.execution_options = options
+            for rank, split in enumerate(dataset.streaming_split(world_size, equal=False)):
                 shards[rank][name] = split
         return shards

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec
+from raytrain_ddp.data.pipeline import DataSpec, epoch_batches
 from raytrain_ddp.models import build_model
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker.metrics import (EpochMeter, Heartbeat, check_finite, evaluate, parameter_checksum,
@@ -92,7 +92,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         meter = EpochMeter()
         heartbeat.at("training", epoch, meter)
         seen_ids = []
-        batches = iter(train_shard.iter_torch_batches(batch_size=config.batch_size, device=device))
+        batches = iter(epoch_batches(train_shard, config, epoch, device))
         while True:
             waited_from = time.perf_counter()
             batch = next(batches, None)
