@@ -33,9 +33,13 @@ order, e.g. sorted by label, therefore share batches more than they would
 under a global shuffle; such data should be shuffled once when written (as
 ``prepare`` does), or written with small row groups.
 
-Val is read in storage order and split with ``streaming_split(equal=False)``:
-every row is evaluated exactly once, on some rank; the worker then all-reduces
-the sums so every rank holds the same numbers.
+Val: rank r reads rows ``[r * N // W, (r + 1) * N // W)`` in storage order,
+so every row is evaluated exactly once, on some rank; the worker then
+all-reduces the sums so every rank holds the same numbers.
+
+The built-in data needs no decoding: its chunks are model inputs already, and
+a rank takes its train pieces straight from the object store and shuffles all
+its rows (no window), in its own process, without Ray Data tasks.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import ray
 import ray.data
+import torch
 from ray.data import ExecutionOptions
 from ray.train import DataConfig
 
@@ -250,19 +255,30 @@ def _pieces_dataset(source: SplitSource, pieces: list[tuple[int, int, int]],
         fn_kwargs={"source": source, "pieces": pieces, "augment_seed": augment_seed})
 
 
-def epoch_pieces(unit_rows: Sequence[int], seed: int, epoch: int, rank: int,
-                 world_size: int) -> list[tuple[int, int, int]]:
-    """Rank's (unit, start, stop) pieces of an epoch, in order: rows [rank * n, (rank + 1) * n)
-    of the units in the order drawn from (seed, epoch), n = all rows // world_size."""
-    per_rank = sum(unit_rows) // world_size
-    first, last = rank * per_rank, (rank + 1) * per_rank
+def _pieces(unit_rows: Sequence[int], order: Iterable[int], first: int, last: int) -> list[tuple[int, int, int]]:
+    """(unit, start, stop) pieces that cover rows [first, last) of the units laid end to end in `order`."""
     pieces, offset = [], 0
-    for unit in np.random.default_rng([seed, epoch]).permutation(len(unit_rows)):
+    for unit in order:
         start, stop = max(first, offset), min(last, offset + unit_rows[unit])
         if start < stop:
             pieces.append((int(unit), start - offset, stop - offset))
         offset += unit_rows[unit]
     return pieces
+
+
+def epoch_pieces(unit_rows: Sequence[int], seed: int, epoch: int, rank: int,
+                 world_size: int) -> list[tuple[int, int, int]]:
+    """Rank's train pieces of an epoch, in order: rows [rank * n, (rank + 1) * n) of the units in the
+    order drawn from (seed, epoch), n = all rows // world_size."""
+    per_rank = sum(unit_rows) // world_size
+    order = np.random.default_rng([seed, epoch]).permutation(len(unit_rows))
+    return _pieces(unit_rows, order, rank * per_rank, (rank + 1) * per_rank)
+
+
+def val_pieces(unit_rows: Sequence[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    """Rank's val pieces, in storage order: rows [rank * N // W, (rank + 1) * N // W), none dropped."""
+    rows = sum(unit_rows)
+    return _pieces(unit_rows, range(len(unit_rows)), rank * rows // world_size, (rank + 1) * rows // world_size)
 
 
 @dataclass(frozen=True)
@@ -278,26 +294,35 @@ class TrainShard:
 def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) -> Iterable[dict]:
     """This rank's torch batches of `epoch` (counted from 1): a function of (seed, epoch, rank, world size)."""
     pieces = epoch_pieces(shard.source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
+    shuffle_seed = _seed_of(config.seed, epoch, shard.rank)
+    if shard.source.chunks:
+        return _in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed, device)
     augment_seed = _seed_of(config.seed, epoch) if shard.source.augments else None
     dataset = _pieces_dataset(shard.source, pieces, augment_seed)
     dataset.context.execution_options = shard.execution_options
     return dataset.iter_torch_batches(batch_size=config.batch_size, device=device,
-                                      local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
-                                      local_shuffle_seed=_seed_of(config.seed, epoch, shard.rank))
+                                      local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS, local_shuffle_seed=shuffle_seed)
 
 
-@ray.remote
-def _built_in_chunk(dataset: str, ids: np.ndarray, seed: int, spec: DataSpec) -> dict[str, np.ndarray]:
-    return to_model_inputs(synthetic.GENERATORS[dataset](ids, seed), spec)
+def _in_memory_batches(source: SplitSource, pieces: list[tuple[int, int, int]], batch_size: int,
+                       shuffle_seed: int, device) -> Iterator[dict]:
+    """Built-in rows are model inputs already: the rank takes its pieces from the object store, in this
+    process (no Ray Data tasks, nothing to decode), and shuffles all of them."""
+    parts = [_read_piece(source, *piece) for piece in pieces]
+    rows = {name: np.concatenate([part[name] for part in parts]) for name in ("id", "x", "y")}
+    order = np.random.default_rng(shuffle_seed).permutation(len(rows["y"]))
+    for at in range(0, len(order), batch_size):
+        taken = order[at:at + batch_size]
+        yield {name: torch.from_numpy(values[taken]).to(device) for name, values in rows.items()}
 
 
 def _built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> SplitSource:
-    """Chunks generated and normalised once, in Ray tasks the driver does not wait for: they run
-    while the worker group starts, and the first read of a chunk waits for it."""
+    """Chunks generated and normalised once, here, into the object store (a task per chunk would
+    start a process each, on the cores the worker group is starting on)."""
     pieces = [ids[at:at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
+    generate = synthetic.GENERATORS[config.dataset]
     return SplitSource(spec, tuple(len(piece) for piece in pieces),
-                       chunks=tuple(_built_in_chunk.remote(config.dataset, piece, config.seed, spec)
-                                    for piece in pieces))
+                       chunks=tuple(ray.put(to_model_inputs(generate(piece, config.seed), spec)) for piece in pieces))
 
 
 def _parquet_source(spec: DataSpec, uris: Sequence[str]) -> SplitSource:
@@ -316,21 +341,16 @@ def _parquet_source(spec: DataSpec, uris: Sequence[str]) -> SplitSource:
     return SplitSource(spec, tuple(unit_rows), row_groups=tuple(row_groups), columns=tuple(_columns(spec) + with_id))
 
 
-def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, SplitSource | ray.data.Dataset]:
-    """What Ray Train gets as `datasets`: the train split's layout (each rank reads its rows per
-    epoch, see epoch_batches) and the val Ray Dataset, in storage order."""
+def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, SplitSource]:
+    """What Ray Train gets as `datasets`: the layout of each split; ShardingDataConfig hands it to every rank."""
     if plan.train_paths:
-        train, val = _parquet_source(plan.spec, plan.train_paths), _parquet_source(plan.spec, plan.val_paths)
-    else:
-        train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
-        train, val = (_built_in_source(config, plan.spec, train_ids),
-                      _built_in_source(config, plan.spec, val_ids))
-    whole_units = [(unit, 0, rows) for unit, rows in enumerate(val.unit_rows)]
-    return {"train": train, "val": _pieces_dataset(val, whole_units)}
+        return {"train": _parquet_source(plan.spec, plan.train_paths), "val": _parquet_source(plan.spec, plan.val_paths)}
+    train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
+    return {"train": _built_in_source(config, plan.spec, train_ids), "val": _built_in_source(config, plan.spec, val_ids)}
 
 
 class ShardingDataConfig(DataConfig):
-    """Equal train shards drawn per epoch (no DDP hang), exact val shards (no row lost or repeated)."""
+    """Train: equal shards drawn per epoch (no DDP hang). Val: every row on exactly one rank."""
 
     def __init__(self) -> None:
         options = DataConfig.default_ingest_options()
@@ -338,16 +358,16 @@ class ShardingDataConfig(DataConfig):
         super().__init__(datasets_to_split=["train", "val"], execution_options=options)
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        # Ray Train calls this once per dataset name and hands rank r shards[r][name].
+        # Ray Train calls this once per dataset name and hands rank r shards[r][name]:
+        # for train what epoch_batches needs, for val an iterator over the rank's own fixed rows.
         shards = [{} for _ in range(world_size)]
-        for name, dataset in datasets.items():
+        for name, source in datasets.items():
             options = self._resolve_execution_options(name)
-            if isinstance(dataset, SplitSource):
-                for rank in range(world_size):
-                    shards[rank][name] = TrainShard(dataset, rank, world_size, options)
-                continue
-            dataset = dataset.copy(dataset)
-            dataset.context.execution_options = options
-            for rank, split in enumerate(dataset.streaming_split(world_size, equal=False)):
-                shards[rank][name] = split
+            for rank in range(world_size):
+                if name == "train":
+                    shards[rank][name] = TrainShard(source, rank, world_size, options)
+                else:
+                    dataset = _pieces_dataset(source, val_pieces(source.unit_rows, rank, world_size))
+                    dataset.context.execution_options = options
+                    shards[rank][name] = dataset.iterator()
         return shards
