@@ -65,7 +65,7 @@ from raytrain_ddp.errors import ConfigError
 log = logging.getLogger("raytrain_ddp")
 
 ROWS_PER_CHUNK = 1024  # built-in rows per cached chunk (a unit)
-TRANSFORM_ROWS = 256  # rows decoded at a time, so a unit's first batch streams out early
+TRANSFORM_ROWS = 256  # rows decoded at a time: bounds the decode buffers of a large row group
 SHUFFLE_BUFFER_ROWS = 1024  # a rank's local shuffle window: rows of neighbouring units mixed together
 CROP_PADDING = 4  # pixels of reflection padding before the random crop
 
@@ -235,7 +235,7 @@ def _read_piece(source: SplitSource, unit: int, start: int, stop: int) -> dict[s
 
 def _piece_inputs(batch: dict[str, np.ndarray], source: SplitSource, pieces: list[tuple[int, int, int]],
                   augment_seed: int | None) -> Iterator[dict[str, np.ndarray]]:
-    """map_batches over piece numbers: one piece's model inputs, yielded in slices so batches stream."""
+    """map_batches over piece numbers: one piece's model inputs, transformed a slice at a time."""
     rows = _read_piece(source, *pieces[int(batch["id"][0])])
     if source.chunks:
         yield rows
