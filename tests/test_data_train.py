@@ -184,7 +184,7 @@ def _bad_data(tmp_path: Path, case: str, tabular: Path) -> list[str]:
     ("truncated", "part-0.parquet"),
     ("missing-column", "'target'"),
     ("string-labels", "integer"),
-    ("model-mismatch", "--model cnn takes images, but the data is tabular"),
+    ("model-mismatch", "--model cnn takes image data, but the data holds tabular"),
 ])
 def test_bad_data_fails_before_anything_starts(tmp_path, tabular_data, case, message):
     storage = tmp_path / "runs"
