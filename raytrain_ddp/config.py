@@ -63,6 +63,7 @@ class TrainConfig:
     storage_path: str = field(default="runs", metadata=_flag("where run directories go (shared storage on a cluster)"))
     name: Optional[str] = field(default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)"))
     num_to_keep: int = field(default=2, metadata=_flag("best checkpoints to keep, by validation accuracy"))
+    resume_from: Optional[str] = field(default=None, metadata=_flag("start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): its weights, optimizer state and epoch; --epochs is the total"))
     # Robustness
     max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
     collective_timeout_s: int = field(default=600, metadata=_flag("seconds a DDP collective may wait before it fails"))
