@@ -153,6 +153,7 @@ def test_corrupt_latest_checkpoint_is_named_and_the_previous_one_used(ray_addres
     named = [line for line in second.stderr.splitlines() if "is corrupt" in line]
     assert len(named) == 1 and str(checkpoint_file) in named[0], second.stderr[-3000:]
     assert (run_dir / "corrupt" / latest.name / "checkpoint.pt").exists()  # kept for a post-mortem, never loaded
+    assert "Resuming from checkpoint " in second.stderr and "(epoch 1)" in second.stderr, second.stderr[-3000:]
     assert _epochs(run_dir) == [1, 2, 3]  # epoch 2 ran again from epoch 1's checkpoint, recorded once
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 
@@ -165,7 +166,7 @@ def test_resume_from_starts_a_new_run_from_a_checkpoint(ray_address, tmp_path):
     second = subprocess.run(_cli(tmp_path, "continued", "--resume-from", checkpoint, address=ray_address, epochs=2),
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"Starting from checkpoint {Path(checkpoint).parent} (after epoch 1 of run source)" in second.stderr
+    assert f"Starting from checkpoint {Path(checkpoint).parent} (epoch 1) of run source" in second.stderr
     assert _epochs(tmp_path / "continued") == [2]  # epoch 1 came with the checkpoint
     source_loss = json.loads((tmp_path / "source" / "metrics.jsonl").read_text())["val_loss"]
     continued_loss = json.loads((tmp_path / "continued" / "metrics.jsonl").read_text())["val_loss"]

@@ -238,7 +238,9 @@ def fit(config: TrainConfig) -> FitResult:
 def _choose_start(config: TrainConfig, run_dir: Path, start_state: dict | None) -> None:
     """A run with checkpoints of its own continues from its newest good one; else --resume-from's."""
     if run_checkpoints.has_own_checkpoints(run_dir):
-        run_checkpoints.set_aside_corrupt_latest(run_dir)
+        resume_from = run_checkpoints.set_aside_corrupt_latest(run_dir)
+        if resume_from:
+            log.info("Resuming from checkpoint %s", resume_from)
         if start_state is not None:
             log.info("Run %s has checkpoints of its own: continuing from them, not from --resume-from", config.name)
     elif start_state is not None:
@@ -312,7 +314,7 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
         for sink in sinks:
             sink.close()
     if stop_reason and stop_signal:
-        log.info("Training stopped %.1fs after %s", time.time() - stop_signal["at"], stop_reason)
+        log.info("Workers returned %.1fs after %s", time.time() - stop_signal["at"], stop_reason)
 
     summary = _summary(config, recorder, result, error, stop_reason, time.time() - started)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -32,19 +32,25 @@ REQUIRED_KEYS = ("model", "optimizer", "epoch", "config", "data_spec")
 CORRUPT_DIR = "corrupt"
 
 
-def problem_with(checkpoint_dir: Path) -> str | None:
-    """Why this checkpoint cannot be resumed from, or None when it loads and has what a resume needs."""
+def read_verified(checkpoint_dir: Path) -> tuple[dict | None, str | None]:
+    """(state, None) when the checkpoint loads and has what a resume needs, else (None, why not)."""
     path = checkpoint_dir / CHECKPOINT_FILE
     if not path.is_file():
-        return f"{CHECKPOINT_FILE} is missing"
+        return None, f"{CHECKPOINT_FILE} is missing"
     try:
         state = load_file(path)
     except Exception as err:  # truncated, garbage, not a torch file: all mean "unusable"
-        return f"it does not load ({_first_line(err)})"
+        return None, f"it does not load ({_first_line(err)})"
     if not isinstance(state, dict):
-        return f"it holds a {type(state).__name__}, not a checkpoint"
+        return None, f"it holds a {type(state).__name__}, not a checkpoint"
     missing = [key for key in REQUIRED_KEYS if key not in state]
-    return f"keys missing: {', '.join(missing)}" if missing else None
+    return (None, f"keys missing: {', '.join(missing)}") if missing else (state, None)
+
+
+def describe(checkpoint_dir: Path, state: dict) -> str:
+    """Where a checkpoint stands: "PATH (epoch E)", or "(epoch E, step S)" when taken mid-epoch."""
+    step = f", step {state['step_in_epoch']}" if state.get("step_in_epoch") else ""
+    return f"{checkpoint_dir} (epoch {state['epoch']}{step})"
 
 
 def _first_line(err: Exception) -> str:
@@ -53,8 +59,8 @@ def _first_line(err: Exception) -> str:
 
 
 # ------------------------------------------------------------------ a resumed run
-def set_aside_corrupt_latest(run_dir: Path) -> None:
-    """Make sure the checkpoint Ray Train will resume from loads.
+def set_aside_corrupt_latest(run_dir: Path) -> str | None:
+    """Make sure the checkpoint Ray Train will resume from loads; return what it is.
 
     Newest first, each checkpoint that does not load is logged, moved to
     RUN_DIR/corrupt/ and dropped from the snapshot, until a good one is the
@@ -62,15 +68,16 @@ def set_aside_corrupt_latest(run_dir: Path) -> None:
     """
     snapshot_path = run_dir / CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
     if not snapshot_path.exists():
-        return
+        return None
     state = json.loads(snapshot_path.read_text())
     newest_first = sorted(zip(state["checkpoint_report_indices"], state["checkpoint_results"]),
                           key=lambda pair: pair[0], reverse=True)
-    corrupt = []
+    corrupt, resume_from = [], None
     for _, result in newest_first:
         name = result["checkpoint_dir_name"]
-        why = problem_with(run_dir / name)
+        checkpoint_state, why = read_verified(run_dir / name)
         if why is None:
+            resume_from = describe(run_dir / name, checkpoint_state)
             break
         log.error("Checkpoint %s is corrupt (%s): moved to %s/; resuming from the one before it",
                   run_dir / name / CHECKPOINT_FILE, why, run_dir / CORRUPT_DIR)
@@ -79,7 +86,7 @@ def set_aside_corrupt_latest(run_dir: Path) -> None:
             (run_dir / CORRUPT_DIR).mkdir(exist_ok=True)
             shutil.move(run_dir / name, run_dir / CORRUPT_DIR / name)
     if not corrupt:
-        return
+        return resume_from
     kept = [(index, result) for index, result in zip(state["checkpoint_report_indices"], state["checkpoint_results"])
             if result["checkpoint_dir_name"] not in corrupt]
     state["checkpoint_report_indices"] = [index for index, _ in kept]
@@ -92,6 +99,7 @@ def set_aside_corrupt_latest(run_dir: Path) -> None:
     if not kept:
         log.error("No good checkpoint left in %s: the run starts again from epoch 1", run_dir)
     _write_snapshot(run_dir, state)
+    return resume_from
 
 
 def _write_snapshot(run_dir: Path, state: dict) -> None:
@@ -110,10 +118,9 @@ def check_resume_from(config: TrainConfig, spec) -> dict:
     flag = f"--resume-from {config.resume_from!r}"
     if not given.exists():
         raise ConfigError(f"{flag} does not exist")
-    why = problem_with(checkpoint_dir)
+    state, why = read_verified(checkpoint_dir)
     if why:
         raise ConfigError(f"{flag} is not a usable checkpoint: {why}")
-    state = load_file(checkpoint_dir)
     made_for = state["config"].get("model"), tuple(state["data_spec"]["input_shape"]), state["data_spec"]["num_classes"]
     wanted = config.model, tuple(spec.input_shape), spec.num_classes
     if made_for != wanted:
@@ -142,5 +149,4 @@ def seed_new_run(config: TrainConfig, state: dict) -> None:
         "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
         "failed_validation_checkpoint_dir_names": [],
     })
-    log.info("Starting from checkpoint %s (after epoch %d of run %s)", source, state["epoch"],
-             state["config"].get("name", "?"))
+    log.info("Starting from checkpoint %s of run %s", describe(source, state), state["config"].get("name", "?"))
