@@ -253,28 +253,40 @@ STOP_SIGNALS = {
 }
 
 
+@dataclass
+class StopSignal:
+    """The first stop signal of a run, and whether training had already ended by then."""
+
+    reason: str | None = None
+    at: float = 0.0
+    training_over: bool = False
+
+
 @contextmanager
 def _stop_on_signals(monitor):
-    """While training runs, SIGUSR1/SIGTERM ask every rank to checkpoint at the next step and return.
+    """Until the summary is written, SIGUSR1/SIGTERM ask every rank to checkpoint at its next step and return.
 
-    Yields a dict that gets the signal's time; a second signal is only logged.
-    Signal handlers can only be set from the main thread: elsewhere (a notebook
-    thread, a test) signals keep their usual meaning.
+    A second signal, or one after training ended, is only logged: it must not
+    kill the driver before the summary says where to resume from. Handlers can
+    only be set from the main thread: elsewhere (a notebook thread, a test)
+    signals keep their usual meaning.
     """
-    stop = {}
+    stop = StopSignal()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def on_signal(signum, frame):
         reason = STOP_SIGNALS[signum]
-        if stop:
-            log.warning("Got %s while already stopping on %s: still waiting for the checkpoint", reason, stop["reason"])
-            return
-        stop.update(reason=reason, at=time.time())
-        log.warning("Got %s: every rank checkpoints at its next step and stops; "
-                    "run the same command again to resume", reason)
-        monitor.request_stop.remote(reason)
+        if stop.training_over:
+            log.warning("Got %s after training ended: nothing left to stop", reason)
+        elif stop.reason:
+            log.warning("Got %s while already stopping on %s: still waiting for the checkpoint", reason, stop.reason)
+        else:
+            stop.reason, stop.at = reason, time.time()
+            log.warning("Got %s: every rank checkpoints at its next step and stops; "
+                        "run the same command again to resume", reason)
+            monitor.request_stop.remote(reason)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
@@ -300,27 +312,28 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop, config.hang_timeout_s), daemon=True)
     watcher.start()
-    error, result, stop_reason, stop_signal = None, None, None, {}
-    try:
-        with _stop_on_signals(monitor) as stop_signal:
+    error, result = None, None
+    with _stop_on_signals(monitor) as stop_signal:
+        try:
             result = _make_trainer(config, datasets, plan.spec, monitor).fit()
-    except ray.train.TrainingFailedError as err:
-        error = _describe_failure(err)
-    finally:
-        stop.set()
-        watcher.join()
-        stop_reason = ray.get(monitor.stop_requested.remote())
-        ray.kill(monitor)
-        for sink in sinks:
-            sink.close()
-    if stop_reason and stop_signal:
-        log.info("Workers returned %.1fs after %s", time.time() - stop_signal["at"], stop_reason)
+        except ray.train.TrainingFailedError as err:
+            error = _describe_failure(err)
+        finally:
+            stop_signal.training_over = True
+            stop.set()
+            watcher.join()
+            stop_reason = ray.get(monitor.stop_requested.remote())
+            ray.kill(monitor)
+            for sink in sinks:
+                sink.close()
+        if stop_signal.reason:
+            log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
 
-    summary = _summary(config, recorder, result, error, stop_reason, time.time() - started)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _link_ray_logs(run_dir)
-    if config.report:
-        log.info("Report: %s", write_report(run_dir))
+        summary = _summary(config, recorder, result, error, stop_reason, time.time() - started)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _link_ray_logs(run_dir)
+        if config.report:
+            log.info("Report: %s", write_report(run_dir))
     if error:
         log.error("Training failed: %s", error)
     elif summary["status"] == "stopped":
@@ -337,6 +350,8 @@ def _link_ray_logs(run_dir: Path) -> None:
     node = getattr(ray._private.worker, "_global_node", None)  # no public API names the session dir
     session_dir = node.get_session_dir_path() if node else None
     link = run_dir / "ray-logs"
+    if session_dir and link.is_symlink():
+        link.unlink()  # a resumed run (a requeued job, a new Ray): point at this session's logs
     if session_dir and not link.exists():
         link.symlink_to(Path(session_dir) / "logs")
 
