@@ -19,9 +19,12 @@ from typing import Any, Optional
 
 from raytrain_ddp.errors import ConfigError
 
-BUILTIN_MODELS = ("cnn", "resnet18", "resnet50", "mlp")
-BUILTIN_DATASETS = ("synthetic", "synthetic-tabular")
+BUILTIN_MODELS = ("cnn", "resnet18", "resnet50", "mlp", "transformer")
+BUILTIN_DATASETS = ("synthetic", "synthetic-tabular", "synthetic-tokens")
 OPTIMIZERS = ("sgd", "adamw")
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("constant", "cosine", "step")
 
 
 def _flag(help: str, **extra: Any) -> dict:
@@ -41,8 +44,13 @@ class TrainConfig:
         metadata=_flag("Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray)"),
     )
     # Model and data
-    model: str = field(default="cnn", metadata=_flag("model", choices=BUILTIN_MODELS))
-    dataset: str = field(default="synthetic", metadata=_flag("built-in dataset, used when --data is not given", choices=BUILTIN_DATASETS))
+    model: str = field(default="cnn", metadata=_flag(
+        f"model: {', '.join(BUILTIN_MODELS)}, or an import path pkg.module:build (a callable taking the config, returning an nn.Module)"))
+    dataset: str = field(default="synthetic", metadata=_flag(
+        f"dataset when --data is not given: {', '.join(BUILTIN_DATASETS)}, or an import path pkg.module:build "
+        "(a callable taking the config, returning {'train': ray.data.Dataset, 'val': ...} with columns x, y)"))
+    loss: Optional[str] = field(default=None, metadata=_flag(
+        "loss as an import path pkg.module:fn, called as fn(outputs, targets) (default: cross-entropy over the last dimension)"))
     data: Optional[str] = field(default=None, metadata=_flag("Parquet dataset directory with train/ and val/ (see `python -m raytrain_ddp.data`)"))
     train_data: Optional[str] = field(default=None, metadata=_flag("Parquet files or glob for training (instead of --data)"))
     val_data: Optional[str] = field(default=None, metadata=_flag("Parquet files or glob for validation (instead of --data)"))
@@ -53,8 +61,17 @@ class TrainConfig:
     val_size: int = field(default=2048, metadata=_flag("rows of the built-in validation set"))
     # Optimisation
     epochs: int = field(default=5, metadata=_flag("passes over the training set"))
-    batch_size: int = field(default=64, metadata=_flag("per-worker batch; the global batch is this x --num-workers"))
-    lr: float = field(default=0.02, metadata=_flag("learning rate"))
+    batch_size: int = field(default=64, metadata=_flag("per-worker batch; the global batch is this x --grad-accum x --num-workers"))
+    grad_accum: int = field(default=1, metadata=_flag("micro-batches per optimizer step; gradients are all-reduced once per step"))
+    strategy: str = field(default="ddp", metadata=_flag("ddp: a full replica per worker; fsdp: parameters, gradients and optimizer state sharded across workers", choices=STRATEGIES))
+    precision: str = field(default="fp32", metadata=_flag("autocast precision (fp16 adds a gradient scaler)", choices=PRECISIONS))
+    compile: bool = field(default=False, metadata=_flag("torch.compile the model"))
+    channels_last: bool = field(default=False, metadata=_flag("channels_last memory format for image models (faster convolutions on GPU)"))
+    lr: float = field(default=0.02, metadata=_flag("learning rate (for the global batch, unless --scale-lr)"))
+    scale_lr: bool = field(default=False, metadata=_flag("linear scaling: multiply --lr by --num-workers x --grad-accum (lr given for one worker's batch)"))
+    lr_schedule: str = field(default="constant", metadata=_flag("learning rate after warm-up: constant, cosine to 0, or step (x0.1 at 50%% and 75%% of training)", choices=LR_SCHEDULES))
+    warmup_epochs: float = field(default=0.0, metadata=_flag("epochs of linear learning-rate warm-up from 0"))
+    clip_grad_norm: Optional[float] = field(default=None, metadata=_flag("clip the global gradient norm to this value"))
     optimizer: str = field(default="sgd", metadata=_flag("optimizer", choices=OPTIMIZERS))
     momentum: float = field(default=0.9, metadata=_flag("SGD momentum"))
     weight_decay: float = field(default=5e-4, metadata=_flag("weight decay"))
@@ -66,6 +83,7 @@ class TrainConfig:
     resume_from: Optional[str] = field(default=None, metadata=_flag("start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): its weights, optimizer state and epoch; --epochs is the total"))
     # Robustness
     max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
+    skip_nonfinite: bool = field(default=False, metadata=_flag("skip optimizer steps whose gradients are NaN/inf (all ranks agree) instead of stopping"))
     collective_timeout_s: int = field(default=600, metadata=_flag("seconds a DDP collective may wait before it fails"))
     hang_timeout_s: int = field(default=300, metadata=_flag("seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"))
     record_sample_ids: bool = field(default=False, metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"))
@@ -78,8 +96,13 @@ class TrainConfig:
     # ------------------------------------------------------------------ derived
     @property
     def global_batch_size(self) -> int:
-        """What DDP really trains with: every worker's batch, averaged together."""
-        return self.batch_size * self.num_workers
+        """What one optimizer step really trains with: every micro-batch of every worker, averaged."""
+        return self.batch_size * self.grad_accum * self.num_workers
+
+    @property
+    def effective_lr(self) -> float:
+        """--lr, times the linear-scaling factor with --scale-lr."""
+        return self.lr * (self.num_workers * self.grad_accum if self.scale_lr else 1)
 
     @property
     def run_dir(self) -> Path:
@@ -98,6 +121,7 @@ class TrainConfig:
         _at_least("--num-workers", self.num_workers, 1)
         _at_least("--batch-size", self.batch_size, 1)
         _at_least("--epochs", self.epochs, 1)
+        _at_least("--grad-accum", self.grad_accum, 1)
         _at_least("--train-size", self.train_size, 1)
         _at_least("--val-size", self.val_size, 1)
         _at_least("--num-to-keep", self.num_to_keep, 1)
@@ -108,13 +132,23 @@ class TrainConfig:
             raise ConfigError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not self.warmup_epochs >= 0:
+            raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
         for flag_name, value, allowed in (
             ("--model", self.model, BUILTIN_MODELS),
             ("--dataset", self.dataset, BUILTIN_DATASETS),
             ("--optimizer", self.optimizer, OPTIMIZERS),
+            ("--strategy", self.strategy, STRATEGIES),
+            ("--precision", self.precision, PRECISIONS),
+            ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
         ):
-            if value not in allowed:
-                raise ConfigError(f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}")
+            if value not in allowed and not (flag_name in ("--model", "--dataset") and is_import_path(value)):
+                raise ConfigError(f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}"
+                                  + (" or an import path pkg.module:name" if flag_name in ("--model", "--dataset") else ""))
+        if self.loss is not None and not is_import_path(self.loss):
+            raise ConfigError(f"--loss {self.loss!r} is not an import path like pkg.module:fn")
         if self.data and (self.train_data or self.val_data):
             raise ConfigError("give either --data DIR or --train-data/--val-data, not both")
         if bool(self.train_data) != bool(self.val_data):
@@ -125,6 +159,11 @@ class TrainConfig:
             raise ConfigError(f"--name {self.name!r} may hold only letters, digits, '.', '_' and '-'")
         self.storage_path = _check_storage_path(self.storage_path)
         return self
+
+
+def is_import_path(text: str) -> bool:
+    """`pkg.module:name`: how plug-in models, datasets and losses are named."""
+    return re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", text) is not None
 
 
 def _at_least(flag_name: str, value: int, minimum: int) -> None:

@@ -13,13 +13,14 @@ import json
 import sys
 
 import torch
-from torch import nn
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.models import build_model
 from raytrain_ddp.worker.checkpoint import load_file
+from raytrain_ddp.worker.loop import make_loss_fn
+from raytrain_ddp.worker.metrics import evaluate
 
 
 @torch.no_grad()
@@ -31,24 +32,16 @@ def evaluate_checkpoint(path: str, batch_size: int = 256) -> dict:
         raise ConfigError(f"cannot load checkpoint {path!r}: {err}") from None
     config = TrainConfig(**state["config"])
     spec = DataSpec(**state["data_spec"])
-    model = build_model(config.model, spec.input_shape, spec.num_classes)
+    if spec.kind == "custom":
+        raise ConfigError(f"{path} was trained on a --dataset plug-in's data; evaluate it with your own data loader")
+    model = build_model(config, spec)
     model.load_state_dict(state["model"])
-    model.eval()
     rows = to_model_inputs(read_split_rows(config, "val"), spec)
     x, y = torch.from_numpy(rows["x"]), torch.from_numpy(rows["y"])
-    loss_sum, correct = 0.0, 0
-    for start in range(0, len(y), batch_size):
-        logits = model(x[start:start + batch_size])
-        target = y[start:start + batch_size]
-        loss_sum += nn.functional.cross_entropy(logits, target).double().item() * len(target)
-        correct += int((logits.argmax(dim=1) == target).sum())
-    return {
-        "epoch": state["epoch"],
-        "val_loss": loss_sum / len(y),
-        "val_accuracy": correct / len(y),
-        "val_rows": len(y),
-        "recorded": state["metrics"],
-    }
+    batches = ({"x": x[start:start + batch_size], "y": y[start:start + batch_size]}
+               for start in range(0, len(y), batch_size))
+    return {"epoch": state["epoch"], **evaluate(model, batches, make_loss_fn(config), torch.device("cpu")),
+            "recorded": state["metrics"]}
 
 
 def main(argv: list[str] | None = None) -> int:

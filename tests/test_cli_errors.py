@@ -22,8 +22,20 @@ CASES = [
     ("zero-epochs", ["--epochs", "0"], "--epochs must be at least 1"),
     ("negative-lr", ["--lr", "-0.1"], "--lr must be > 0"),
     ("zero-cpus", ["--cpus-per-worker", "0"], "--cpus-per-worker must be > 0"),
-    ("unknown-model", ["--model", "vgg99"], "argument --model: invalid choice: 'vgg99'"),
-    ("unknown-dataset", ["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+    ("unknown-model", ["--model", "vgg99"], "--model 'vgg99' is unknown; choose one of: cnn"),
+    ("unknown-dataset", ["--dataset", "imagenet"], "--dataset 'imagenet' is unknown; choose one of: synthetic"),
+    ("zero-grad-accum", ["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+    ("unknown-precision", ["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+    ("unknown-strategy", ["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
+    ("negative-clip", ["--clip-grad-norm", "-1"], "--clip-grad-norm must be > 0, got -1.0"),
+    ("negative-warmup", ["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
+    ("loss-not-a-path", ["--loss", "mse"], "--loss 'mse' is not an import path like pkg.module:fn"),
+    ("model-module-missing", ["--model", "nosuchpkg.models:build"], "--model 'nosuchpkg.models:build': cannot import nosuchpkg.models: ModuleNotFoundError"),
+    ("model-attribute-missing", ["--model", "json:build"], "--model 'json:build': module json has no attribute 'build'"),
+    ("model-not-callable", ["--model", "json:__version__"], "--model 'json:__version__' is a str, not a callable"),
+    ("model-wrong-return", ["--model", "builtins:str"], "--model 'builtins:str' returned str, expected a torch.nn.Module"),
+    ("model-plugin-raises", ["--model", "builtins:len"], "--model 'builtins:len': raised TypeError"),
+    ("model-data-mismatch", ["--model", "transformer"], "--model transformer takes tokens data, but the data holds image"),
     ("unknown-optimizer", ["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
     ("not-a-number", ["--epochs", "three"], "argument --epochs: invalid int value: 'three'"),
     ("unknown-flag", ["--num-gpus", "2"], "unrecognized arguments: --num-gpus 2"),
@@ -50,7 +62,8 @@ def _checkpoint(directory, drop: tuple = (), **changes) -> str:
     import torch
 
     directory.mkdir()
-    state = {"model": {}, "optimizer": {}, "epoch": 1, "metrics": {},
+    state = {"model": {}, "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 1, "step_in_epoch": 0,
+             "global_step": 32, "rng": {}, "metrics": {},
              "config": {"model": "cnn", "name": "earlier"}, "data_spec": {"input_shape": [3, 32, 32], "num_classes": 10},
              **changes}
     torch.save({key: value for key, value in state.items() if key not in drop}, directory / "checkpoint.pt")
@@ -152,12 +165,19 @@ def test_console_script_is_the_same_cli():
     assert result.returncode == 2 and "--num-workers must be at least 1" in result.stderr
 
 
-@pytest.mark.parametrize("model", ["cnn", "resnet18", "mlp"])
-def test_every_builtin_model_builds_and_runs(model):
+@pytest.mark.parametrize("model,dataset,output_shape", [
+    ("cnn", "synthetic", (2, 10)), ("resnet18", "synthetic", (2, 10)), ("mlp", "synthetic-tabular", (2, 10)),
+    ("transformer", "synthetic-tokens", (2, 32, 64)),
+])
+def test_every_builtin_model_builds_and_runs(model, dataset, output_shape):
     import torch
 
+    from raytrain_ddp import TrainConfig
+    from raytrain_ddp.data.pipeline import synthetic_spec
     from raytrain_ddp.models import build_model
 
-    shape = (32,) if model == "mlp" else (3, 32, 32)
-    logits = build_model(model, shape, 10)(torch.zeros(2, *shape))
-    assert logits.shape == (2, 10)
+    config = TrainConfig(model=model, dataset=dataset)
+    spec = synthetic_spec(config)
+    dtype = torch.long if spec.kind == "tokens" else torch.float32
+    outputs = build_model(config, spec)(torch.zeros(2, *spec.input_shape, dtype=dtype))
+    assert outputs.shape == output_shape

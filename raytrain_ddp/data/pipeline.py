@@ -38,6 +38,7 @@ from raytrain_ddp.data import synthetic
 from raytrain_ddp.data.format import decode_images
 from raytrain_ddp.data.validate import check_dataset
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.plugins import call_plugin
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -49,7 +50,7 @@ CROP_PADDING = 4  # pixels of reflection padding before the random crop
 class DataSpec:
     """What the model and the transform need to know about the data (plain values only)."""
 
-    kind: str  # "image" or "tabular"
+    kind: str  # "image", "tabular", "tokens" (next-token prediction) or "custom" (a dataset plug-in's own x, y)
     input_shape: tuple[int, ...]
     num_classes: int
     train_rows: int
@@ -82,6 +83,9 @@ def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: i
     `augment_seed` (train only) turns on random crop and flip, drawn from the
     seed and the batch's first id, so an epoch's augmentation is reproducible.
     """
+    if spec.kind == "tokens":  # predict every next token: inputs are the sequence, targets it shifted by one
+        tokens = rows["tokens"]
+        return {"id": rows["id"].astype(np.int64), "x": tokens[:, :-1], "y": tokens[:, 1:]}
     if spec.kind == "image":
         images = rows[spec.image_column]
         if spec.encoding != "array":
@@ -106,17 +110,40 @@ def synthetic_spec(config: TrainConfig) -> DataSpec:
     if config.dataset == "synthetic":
         return DataSpec("image", synthetic.IMAGE_SHAPE, synthetic.NUM_CLASSES, config.train_size,
                         config.val_size, mean=(0.5,) * 3, std=(0.25,) * 3)
+    if config.dataset == "synthetic-tokens":
+        return DataSpec("tokens", (synthetic.SEQUENCE_LENGTH,), synthetic.VOCAB_SIZE, config.train_size, config.val_size)
     return DataSpec("tabular", (len(synthetic.FEATURE_NAMES),), synthetic.NUM_CLASSES, config.train_size,
                     config.val_size, feature_columns=synthetic.FEATURE_NAMES)
 
 
 @dataclass(frozen=True)
 class DataPlan:
-    """The data a run will read: its spec, and the Parquet files (none for built-in data)."""
+    """The data a run will read: its spec, and the Parquet files or a plug-in's datasets (neither for built-in data)."""
 
     spec: DataSpec
     train_paths: tuple[str, ...] = ()
     val_paths: tuple[str, ...] = ()
+    plugin_datasets: dict | None = None  # {"train", "val"}: Ray Datasets of model-ready rows {x, y[, id]}
+
+
+def plugin_plan(config: TrainConfig, dataset_fn, label: str) -> DataPlan:
+    """Call a dataset plug-in (Ray is up) and check what it returned; raises ConfigError."""
+    flag = f"--dataset {label}"
+    datasets = call_plugin(dataset_fn, "--dataset", label, config)
+    if not (isinstance(datasets, dict) and set(datasets) >= {"train", "val"}
+            and all(isinstance(datasets[name], ray.data.Dataset) for name in ("train", "val"))):
+        raise ConfigError(f"{flag} returned {type(datasets).__name__}, expected "
+                          "{'train': ray.data.Dataset, 'val': ray.data.Dataset}")
+    sample = call_plugin(lambda: datasets["train"].take_batch(256, batch_format="numpy"), "--dataset", label)
+    missing = {"x", "y"} - set(sample)
+    if missing:
+        raise ConfigError(f"{flag}: training rows lack column(s) {', '.join(sorted(missing))}; "
+                          f"they hold {', '.join(sorted(sample))}")
+    labels = sample["y"]
+    num_classes = int(datasets["train"].max("y")) + 1 if labels.ndim == 1 else int(labels.max()) + 1
+    spec = DataSpec("custom", tuple(sample["x"].shape[1:]), num_classes, datasets["train"].count(),
+                    datasets["val"].count())
+    return DataPlan(spec, plugin_datasets={"train": datasets["train"], "val": datasets["val"]})
 
 
 def plan_data(config: TrainConfig) -> DataPlan:
@@ -177,9 +204,17 @@ def _synthetic_source(config: TrainConfig, ids: np.ndarray) -> ray.data.Dataset:
     ).materialize()  # generated once, shuffled and transformed every epoch
 
 
+def shuffled_each_epoch(dataset: ray.data.Dataset, config: TrainConfig) -> ray.data.Dataset:
+    """A new order every epoch (each execution), the same sequence of orders for the same seed."""
+    return dataset.random_shuffle(seed=RandomSeedConfig(seed=config.seed, reseed_after_execution=True))
+
+
 def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, ray.data.Dataset]:
     """The train and val Ray Datasets that `plan` describes."""
     spec = plan.spec
+    if plan.plugin_datasets:  # already model-ready: only the per-epoch shuffle is ours
+        return {"train": shuffled_each_epoch(plan.plugin_datasets["train"], config),
+                "val": plan.plugin_datasets["val"]}
     if plan.train_paths:
         with_id = _columns(spec) + (["id"] if "id" in pq.read_schema(plan.train_paths[0]).names else [])
         sources = {"train": ray.data.read_parquet(list(plan.train_paths), columns=with_id),
@@ -187,10 +222,9 @@ def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, ray.data.Da
     else:
         train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
         sources = {"train": _synthetic_source(config, train_ids), "val": _synthetic_source(config, val_ids)}
-    shuffle_seed = RandomSeedConfig(seed=config.seed, reseed_after_execution=True)
     augment_seed = config.seed if spec.kind == "image" and spec.encoding != "array" else None
     datasets = {
-        "train": sources["train"].random_shuffle(seed=shuffle_seed).map_batches(
+        "train": shuffled_each_epoch(sources["train"], config).map_batches(
             to_model_inputs, fn_kwargs={"spec": spec, "augment_seed": augment_seed}, batch_format="numpy"),
         "val": sources["val"].map_batches(to_model_inputs, fn_kwargs={"spec": spec}, batch_format="numpy"),
     }

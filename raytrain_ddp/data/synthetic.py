@@ -6,6 +6,10 @@ a test regenerate exactly the same sample without shipping data around.
 colour pattern, each image is that pattern shifted by a few pixels, scaled and
 buried in noise (signal-to-noise about 0.16). A small CNN climbs from chance
 (0.1) to above 0.9 in a few epochs. ``synthetic-tabular`` is 10 Gaussian clusters in 32 dimensions.
+``synthetic-tokens`` is sequences for a language model: each counts up from a
+random token with its own stride (1 to 4, modulo the vocabulary), with one
+token in ten replaced by noise; a model that infers the stride from the
+context predicts most next tokens (a unigram model cannot: loss ln 64 = 4.16).
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import numpy as np
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)
 FEATURE_NAMES = tuple(f"f{i}" for i in range(32))  # tabular rows: one column per feature
+VOCAB_SIZE = 64
+SEQUENCE_LENGTH = 32  # tokens the model reads; a row holds one more, the last target
+TOKEN_NOISE = 0.1
 
 
 def _class_patterns(seed: int) -> np.ndarray:
@@ -59,7 +66,20 @@ def tabular_rows(ids: np.ndarray, seed: int) -> dict[str, np.ndarray]:
     return {"id": ids.astype(np.int64), **columns, "label": labels}
 
 
-GENERATORS = {"synthetic": image_rows, "synthetic-tabular": tabular_rows}
+def token_rows(ids: np.ndarray, seed: int) -> dict[str, np.ndarray]:
+    """Rows ``{"id", "tokens" (int64, SEQUENCE_LENGTH + 1), "label" (the stride)}`` for the given ids."""
+    tokens = np.empty((len(ids), SEQUENCE_LENGTH + 1), dtype=np.int64)
+    strides = np.empty(len(ids), dtype=np.int64)
+    for i, row_id in enumerate(ids):
+        rng = np.random.default_rng([seed, int(row_id)])
+        strides[i] = rng.integers(1, 5)
+        tokens[i] = (rng.integers(VOCAB_SIZE) + strides[i] * np.arange(SEQUENCE_LENGTH + 1)) % VOCAB_SIZE
+        noisy = rng.random(SEQUENCE_LENGTH + 1) < TOKEN_NOISE
+        tokens[i, noisy] = rng.integers(VOCAB_SIZE, size=int(noisy.sum()))
+    return {"id": ids.astype(np.int64), "tokens": tokens, "label": strides}
+
+
+GENERATORS = {"synthetic": image_rows, "synthetic-tabular": tabular_rows, "synthetic-tokens": token_rows}
 
 
 def split_ids(train_size: int, val_size: int) -> tuple[np.ndarray, np.ndarray]:

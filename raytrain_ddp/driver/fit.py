@@ -26,13 +26,15 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig, to_toml
-from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data
+from raytrain_ddp.config import is_import_path
+from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import preflight, run_checkpoints
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.errors import ConfigError
-from raytrain_ddp.models import check_model_fits_data
+from raytrain_ddp.models import build_model
+from raytrain_ddp.plugins import describe, import_root, load_object
 from raytrain_ddp.report import write_report
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
 from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -42,6 +44,9 @@ progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
 progress_log.propagate = False
 
 POLL_INTERVAL_S = 0.5
+# Before any rank has reported, the wait is start-up (processes, imports, the process
+# group), slow on a busy node: the watchdog allows this long, or --hang-timeout-s if longer.
+STARTUP_GRACE_S = 120
 PROGRESS_LOG_INTERVAL_S = 5.0
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
@@ -109,18 +114,28 @@ def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[
     if dashboard_url:
         log.info("Ray dashboard: %s", dashboard_url)
     device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
-    log.info("Training %s on %s with %d workers x %s, %d epochs", config.model,
-             config.data or config.train_data or config.dataset, config.num_workers, device, config.epochs)
-    log.info("Global batch = %d per worker x %d workers = %d (what DDP really trains with)",
-             config.batch_size, config.num_workers, config.global_batch_size)
+    log.info("Training %s on %s with %d workers x %s, %s, %s, %d epochs", config.model,
+             config.data or config.train_data or config.dataset, config.num_workers, device,
+             config.strategy.upper(), config.precision, config.epochs)
+    accumulation = f" x {config.grad_accum} micro-batches" if config.grad_accum > 1 else ""
+    log.info("Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
+             config.batch_size, accumulation, config.num_workers, config.global_batch_size)
+    if config.scale_lr:
+        log.info("Learning rate scaled linearly with the global batch: %g x %d = %g", config.lr,
+                 config.num_workers * config.grad_accum, config.effective_lr)
     log.info("Run directory: %s", config.run_dir)
 
 
 def _prepare_run_dir(config: TrainConfig) -> Path:
     run_dir = config.run_dir
     summary_path = run_dir / "summary.json"
-    if summary_path.exists() and json.loads(summary_path.read_text()).get("status") == "finished":
-        raise ConfigError(f"run {config.name!r} already finished in {run_dir}; choose a new --name to train again")
+    finished = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if finished.get("status") == "finished":
+        if finished["epochs_completed"] >= config.epochs:
+            raise ConfigError(f"run {config.name!r} already finished in {run_dir}; choose a new --name to train "
+                              f"again, or ask for more than {finished['epochs_completed']} --epochs to continue it")
+        log.info("Continuing finished run %s from epoch %d to %d", config.name, finished["epochs_completed"] + 1,
+                 config.epochs)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(config))
     return run_dir
@@ -139,11 +154,11 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     return log_file
 
 
-def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor) -> TorchTrainer:
+def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict) -> TorchTrainer:
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
-                           "test_delays": _test_delays()},
+                           "plugins": plugins, "test_delays": _test_delays()},
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
                                      resources_per_worker={"CPU": config.cpus_per_worker}),
         run_config=RunConfig(
@@ -202,8 +217,9 @@ def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s
     while not stop.wait(POLL_INTERVAL_S):
         try:
             recorder.consume(ray.get(monitor.drain.remote()))
-            if time.time() - recorder.last_news > hang_timeout_s:
-                _end_stalled_attempt(recorder, hang_timeout_s)
+            allowed_s = hang_timeout_s if recorder.any_rank_training else max(hang_timeout_s, STARTUP_GRACE_S)
+            if time.time() - recorder.last_news > allowed_s:
+                _end_stalled_attempt(recorder, allowed_s)
             if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
                 progress_log.info(line)
                 last_logged = time.time()
@@ -212,23 +228,64 @@ def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s
     recorder.consume(ray.get(monitor.drain.remote()))
 
 
-def fit(config: TrainConfig) -> FitResult:
-    """Train as `config` says; return where the results are. Raises ConfigError on bad input."""
+def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> dict:
+    """Import the plug-ins the config names (a typo fails here, in one line); what the workers need to find them.
+
+    Python API callables are recorded in the config by name, for the run directory's config.toml.
+    """
+    paths = [(flag, path) for flag, path in (("--model", config.model), ("--dataset", config.dataset),
+                                               ("--loss", config.loss)) if path and is_import_path(path)]
+    loaded = {flag: load_object(path, flag) for flag, path in paths}
+    for field_name, fn in (("model", model_fn), ("dataset", dataset_fn), ("loss", loss_fn)):
+        if fn is not None:
+            setattr(config, field_name, describe(fn))
+    return {"import_roots": sorted({root for _, path in paths if (root := import_root(path))}),
+            "model_fn": model_fn, "loss_fn": loss_fn,
+            "dataset_fn": dataset_fn or loaded.get("--dataset"), "dataset_label": repr(config.dataset)}
+
+
+def check_model_builds(config: TrainConfig, plan: DataPlan, model_fn) -> None:
+    """Build the model on the meta device (no memory): wrong model/data pairs and broken plug-ins fail here."""
+    import torch
+
+    with torch.device("meta"):
+        build_model(config, plan.spec, model_fn)
+
+
+def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> dict | None:
+    """The model builds for this data, and --resume-from was made for both; returns --resume-from's state."""
+    check_model_builds(config, plan, model_fn)
+    return run_checkpoints.check_resume_from(config, plan.spec) if config.resume_from else None
+
+
+def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> FitResult:
+    """Train as `config` says; return where the results are. Raises ConfigError on bad input.
+
+    `model_fn(config) -> nn.Module`, `dataset_fn(config) -> {"train", "val"}` (Ray
+    Datasets of rows {x, y}) and `loss_fn(outputs, targets)` replace the built-in
+    model, data and loss, as --model/--dataset/--loss import paths do on the CLI.
+    """
     config.validate()
     started = time.time()
-    plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
-    check_model_fits_data(config.model, plan.spec.input_shape)
-    start_state = run_checkpoints.check_resume_from(config, plan.spec) if config.resume_from else None
+    plugins = resolve_plugins(config, model_fn, dataset_fn, loss_fn)
+    dataset_fn = plugins.pop("dataset_fn")
+    dataset_label = plugins.pop("dataset_label")
+    if not dataset_fn:
+        plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
+        start_state = _check_plan(config, plan, model_fn)
     if config.mlflow_uri:
         require_mlflow()
     dashboard_url = connect(config)
+    if dataset_fn:
+        plan = plugin_plan(config, dataset_fn, dataset_label)
+        start_state = _check_plan(config, plan, model_fn)
     nodes = preflight.node_table()
     preflight.check_fits(config, nodes)
     run_dir = _prepare_run_dir(config)
     log_file = _log_to_console_and_file(run_dir)
     try:
         _choose_start(config, run_dir, start_state)
-        return _train(config, plan, run_dir, dashboard_url, nodes, started)
+        return _train(config, plan, run_dir, dashboard_url, nodes, started, plugins)
     finally:
         log.removeHandler(log_file)
         progress_log.removeHandler(log_file)
@@ -297,7 +354,7 @@ def _stop_on_signals(monitor):
 
 
 def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: str | None,
-           nodes: list[dict], started: float) -> FitResult:
+           nodes: list[dict], started: float, plugins: dict) -> FitResult:
     _describe_start(config, dashboard_url, nodes)
 
     datasets = build_datasets(config, plan)
@@ -315,7 +372,7 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
     error, result = None, None
     with _stop_on_signals(monitor) as stop_signal:
         try:
-            result = _make_trainer(config, datasets, plan.spec, monitor).fit()
+            result = _make_trainer(config, datasets, plan.spec, monitor, plugins).fit()
         except ray.train.TrainingFailedError as err:
             error = _describe_failure(err)
         finally:

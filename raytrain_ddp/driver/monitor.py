@@ -168,6 +168,10 @@ class RunRecorder:
             "samples_per_second": sum(samples) / seconds,
             "samples_per_rank": samples,
             "steps_per_rank": [m["steps"] for m in ranks],
+            "optimizer_steps_per_rank": [m["optimizer_steps"] for m in ranks],
+            "skipped_steps_per_rank": [m["skipped_steps"] for m in ranks],
+            "grad_allreduces_per_rank": [m["grad_allreduces"] for m in ranks],
+            "lr": first["lr"],
             "data_wait_seconds_per_rank": [round(m["data_wait_seconds"], 4) for m in ranks],
             "step_seconds_per_rank": [round(m["step_seconds"], 5) for m in ranks],
             "seconds": seconds,
@@ -209,6 +213,10 @@ class RunRecorder:
         silent = [r for r in sorted(self.workers) if r not in self._progress]
         parts += [f"rank {r} on {self.workers[r].get('hostname', '?')}: no news since it started" for r in silent]
         return "; ".join(parts) or "no worker has reported yet"
+
+    @property
+    def any_rank_training(self) -> bool:
+        return bool(self._progress)
 
     def stuck_rank(self) -> int | None:
         """The rank furthest behind (lowest epoch and step), the likeliest culprit of a stall."""

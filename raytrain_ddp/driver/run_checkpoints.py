@@ -28,7 +28,9 @@ from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, load_file
 
 log = logging.getLogger("raytrain_ddp")
 
-REQUIRED_KEYS = ("model", "optimizer", "epoch", "config", "data_spec")
+# What a worker reads when it resumes (raytrain_ddp/worker: Trainer.restore, checkpoint.load, position_of)
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step_in_epoch", "global_step", "rng",
+                 "config", "data_spec")
 CORRUPT_DIR = "corrupt"
 
 

@@ -1,40 +1,55 @@
 """Checkpoints: written by rank zero, one `checkpoint.pt` per Ray Train checkpoint.
 
 The file holds only tensors and plain Python values, so it loads with
-``torch.load(path, weights_only=True)``: model and optimizer state, the epoch
-it completed (counting from 1), the metrics it was scored by, and the config
-and data spec that produced it.
+``torch.load(path, weights_only=True)``:
+
+* ``model``, ``optimizer``: full (unsharded) state dicts, keyed by parameter
+  name, for DDP and FSDP alike: a plain model loads ``model`` directly;
+* ``scheduler``, ``scaler``: learning-rate schedule and fp16 loss-scale state;
+* ``epoch``: epochs completed (counting from 1); ``step_in_epoch``: optimizer
+  steps already taken in the next epoch when the run was stopped mid-epoch
+  (0 at an epoch boundary); ``global_step``: optimizer steps so far;
+* ``rng``: torch's random state (the same on every rank: all were seeded alike);
+* ``metrics``, ``config``, ``data_spec``: what it scored and what produced it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from ray.train import Checkpoint
-from torch import nn
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper (checkpoints never carry `module.`)."""
-    return getattr(model, "module", model)
+@dataclass
+class Position:
+    """Where training stands: what a checkpoint records and a resume starts from."""
+
+    epoch: int = 0  # epochs completed
+    step_in_epoch: int = 0  # optimizer steps done in epoch `epoch + 1`
+    global_step: int = 0
 
 
-def save(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-         epoch: int, metrics: dict, run_info: dict) -> Checkpoint:
-    """Write the state to `directory` and wrap it as a Ray Train checkpoint.
+def save(directory: str, model_state: dict, optimizer_state: dict, training_state: dict,
+         position: Position, metrics: dict, run_info: dict) -> Checkpoint:
+    """Write the state to `directory` (write, then rename) and wrap it as a Ray Train checkpoint.
 
-    `run_info` holds the plain-data facts needed to use the checkpoint alone:
-    the config and the data spec (input shape, classes, normalisation).
+    `training_state` holds the scheduler and scaler state; `run_info` the
+    plain-data facts needed to use the checkpoint alone: config and data spec.
     """
     state = {
-        "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "epoch": epoch,
+        "model": model_state,
+        "optimizer": optimizer_state,
+        **training_state,
+        "epoch": position.epoch,
+        "step_in_epoch": position.step_in_epoch,
+        "global_step": position.global_step,
+        "rng": {"torch": torch.get_rng_state()},
         "metrics": metrics,
         **run_info,
     }
@@ -52,13 +67,16 @@ def load_file(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load model and optimizer from a Ray Train checkpoint; return the epochs it had done."""
+def load(checkpoint: Checkpoint) -> dict:
+    """The state in a Ray Train checkpoint, read on this worker."""
     with checkpoint.as_directory() as directory:
         state = load_file(directory)
-    unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["epoch"]
+    torch.set_rng_state(state["rng"]["torch"])
+    return state
+
+
+def position_of(state: dict) -> Position:
+    return Position(state["epoch"], state["step_in_epoch"], state["global_step"])
 
 
 def scratch_dir() -> tempfile.TemporaryDirectory:

@@ -8,8 +8,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import ray
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -51,6 +53,7 @@ class Heartbeat:
     def __init__(self, monitor, rank: int) -> None:
         self.monitor, self.rank = monitor, rank
         self.phase, self.epoch, self.meter = "starting", 0, EpochMeter()
+        self.stop_reason: str | None = None  # set when the driver asks the run to stop (preemption)
         threading.Thread(target=self._post_forever, daemon=True, name="heartbeat").start()
 
     def at(self, phase: str, epoch: int, meter: EpochMeter) -> None:
@@ -61,28 +64,58 @@ class Heartbeat:
             time.sleep(self.INTERVAL_S)
             meter = self.meter
             loss = meter.mean_loss() if meter.samples else float("nan")
-            self.monitor.progress.remote(self.rank, self.epoch, meter.steps_started, meter.samples, loss, self.phase)
+            answer = self.monitor.progress.remote(self.rank, self.epoch, meter.steps_started, meter.samples, loss,
+                                                  self.phase)
+            try:
+                self.stop_reason = ray.get(answer, timeout=30) or self.stop_reason
+            except Exception:  # the monitor restarting or busy: keep beating, ask again next time
+                continue
+
+
+def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension: classes [batch, classes], or next tokens [batch, length, vocab]."""
+    return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
+
+
+def all_ranks_agree(local_flag: bool, device: torch.device) -> bool:
+    """True on every rank iff it is true on any rank (a collective: call at the same step everywhere)."""
+    if not dist.is_initialized():
+        return local_flag
+    flag = torch.tensor([float(local_flag)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, loss_fn) -> dict:
-    """Validation loss and accuracy over ALL ranks' shards.
+def evaluate(model: nn.Module, batches, loss_fn, device: torch.device, lockstep_padding: dict | None = None) -> dict:
+    """Validation loss and accuracy (per target: a class, or a next token) over ALL ranks' shards.
 
     Each rank sums over its own rows, then one all-reduce adds the sums, so
     every rank ends with the identical numbers, whatever rows it held.
+    With `lockstep_padding` (FSDP, whose forward is itself a collective) every
+    rank runs as many forwards as the rank with the most batches, running that
+    batch uncounted when it has run out: val shards may differ by a batch.
     """
     model.eval()
-    device = next(model.parameters()).device
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, rows
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, targets, rows
+    if lockstep_padding is not None:
+        batches = list(batches)
+        count = torch.tensor([len(batches)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        batches += [dict(lockstep_padding, padding=True)] * (int(count.item()) - len(batches))
     for batch in batches:
-        logits = model(batch["x"])
-        totals[0] += loss_fn(logits, batch["y"]).double() * len(batch["y"])
-        totals[1] += (logits.argmax(dim=1) == batch["y"]).sum()
-        totals[2] += len(batch["y"])
+        outputs = model(batch["x"])
+        if batch.get("padding"):
+            continue
+        targets = batch["y"].numel()
+        totals[0] += loss_fn(outputs, batch["y"]).double() * targets
+        totals[1] += (outputs.argmax(dim=-1) == batch["y"]).sum()
+        totals[2] += targets
+        totals[3] += len(batch["y"])
     if dist.is_initialized():
         dist.all_reduce(totals)
-    loss_sum, correct, rows = totals.tolist()
-    return {"val_loss": loss_sum / rows, "val_accuracy": correct / rows, "val_rows": int(rows)}
+    loss_sum, correct, targets, rows = totals.tolist()
+    return {"val_loss": loss_sum / targets, "val_accuracy": correct / targets, "val_rows": int(rows)}
 
 
 @torch.no_grad()
@@ -106,9 +139,13 @@ def check_finite(loss: float, rank: int, epoch: int, step: int) -> None:
 
 
 def parameter_checksum(model: nn.Module) -> str:
-    """A hash of every parameter's bytes: equal on all ranks iff replicas agree."""
+    """A hash of every parameter's bytes: equal on all ranks iff replicas agree.
+
+    FSDP parameters are gathered whole first (a collective: every rank calls this).
+    """
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters()):
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(full.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]

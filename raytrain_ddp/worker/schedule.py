@@ -1,0 +1,36 @@
+"""The learning rate per optimizer step: linear warm-up, then constant, cosine or step decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from raytrain_ddp.config import TrainConfig
+
+STEP_DECAY_AT = (0.5, 0.75)  # fractions of the post-warm-up steps where --lr-schedule step divides by 10
+
+
+def steps_per_epoch(rows_per_rank: int, config: TrainConfig) -> int:
+    """Optimizer steps one rank takes per epoch (a last partial accumulation still steps)."""
+    micro_batches = math.ceil(rows_per_rank / config.batch_size)
+    return max(1, math.ceil(micro_batches / config.grad_accum))
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Multiplier of the learning rate for optimizer step `step` (counting from 0)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    if schedule == "step":
+        return 0.1 ** sum(progress >= point for point in STEP_DECAY_AT)
+    return 1.0
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, epoch_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    total_steps = config.epochs * epoch_steps
+    warmup_steps = round(config.warmup_epochs * epoch_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, config.lr_schedule))

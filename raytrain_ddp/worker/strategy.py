@@ -1,0 +1,131 @@
+"""How the model is spread over the workers: DDP replicas or FSDP shards.
+
+``--strategy ddp`` (Ray Train's ``prepare_model``): every rank holds the whole
+model; gradients are all-reduced in buckets during ``backward``.
+``--strategy fsdp`` (FSDP2, ``torch.distributed.fsdp.fully_shard``): every rank
+holds 1/world_size of each parameter, gradient and optimizer state; a block's
+parameters are all-gathered just before it runs and freed after. The same
+code runs on CPU with gloo and on GPUs with NCCL (Ray Train's own FSDP option
+refuses CPU training, so it is not used).
+
+Either way, checkpoints hold a full, unsharded state dict (gathered on rank
+zero), so they load into a plain single-process model and resume on any
+number of workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import ray.train.torch
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_ddp.config import TrainConfig
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class GradSyncCounter:
+    """Gradient all-reduces DDP has launched (one per bucket per synchronising backward)."""
+
+    calls: int = 0
+
+
+def _counting_allreduce(counter: GradSyncCounter, bucket):  # no annotations: DDP checks them, and ours are strings
+    counter.calls += 1
+    return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """What FSDP shards as one unit, before the root.
+
+    A model may say (``fsdp_units()``); otherwise each entry of a top-level
+    ModuleList (a transformer's layers), else each top-level child with
+    parameters. One unit = one all-gather in forward, one reduce-scatter in backward.
+    """
+    if hasattr(model, "fsdp_units"):
+        return list(model.fsdp_units())
+    layer_lists = [child for child in model.children() if isinstance(child, nn.ModuleList)]
+    if layer_lists:
+        return [layer for layers in layer_lists for layer in layers]
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def distribute(model: nn.Module, config: TrainConfig, device: torch.device) -> tuple[nn.Module, GradSyncCounter]:
+    """Wrap the model for data-parallel training; count DDP's gradient all-reduces."""
+    counter = GradSyncCounter()
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if config.strategy == "fsdp":
+        model.to(device)
+        for unit in fsdp_units(model):
+            fully_shard(unit)
+        fully_shard(model)
+    else:
+        model = ray.train.torch.prepare_model(model)
+        if isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(counter, _counting_allreduce)
+    if config.compile:
+        model = torch.compile(model)
+    return model, counter
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside torch.compile's and DDP's wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model) if isinstance(model, DistributedDataParallel) else model
+
+
+def no_grad_sync(model: nn.Module, config: TrainConfig) -> contextlib.AbstractContextManager:
+    """Accumulate this micro-step's gradients locally: no all-reduce / reduce-scatter."""
+    inner = getattr(model, "_orig_mod", model)
+    if isinstance(inner, DistributedDataParallel):
+        return inner.no_sync()
+    if config.strategy == "fsdp":
+        inner.set_requires_gradient_sync(False)
+        return _resume_fsdp_sync(inner)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _resume_fsdp_sync(model):
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if config.precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[config.precision])
+
+
+def grad_scaler(config: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
+    """fp16 gradients underflow without loss scaling; bf16 and fp32 need none (a disabled scaler)."""
+    return torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
+
+
+def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The global gradient norm (over all shards), clipping to `max_norm` when given."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state on rank zero's CPU (empty elsewhere). Every rank must call it."""
+    return get_state_dict(unwrap(model), optimizer,
+                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+    """Load a full state dict on every rank; FSDP keeps each rank's shard of it."""
+    set_state_dict(unwrap(model), optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))
