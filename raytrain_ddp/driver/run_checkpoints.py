@@ -7,7 +7,8 @@ choices made here are expressed in that snapshot, validated against the
 installed Ray's own schema:
 
 * a corrupt latest checkpoint is moved to ``RUN_DIR/corrupt/`` and the newest
-  good one becomes the latest (:func:`set_aside_corrupt_latest`);
+  good one becomes the latest (:func:`set_aside_corrupt_latest`), after metrics
+  the snapshot could not hold are dropped (:func:`_drop_unsaved_metrics`);
 * ``--resume-from`` copies the given checkpoint into a new run directory and
   records it as that run's latest (:func:`seed_new_run`).
 """
@@ -72,6 +73,8 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
     if not snapshot_path.exists():
         return None
     state = json.loads(snapshot_path.read_text())
+    if _drop_unsaved_metrics(state):
+        _write_snapshot(run_dir, state)
     newest_first = sorted(zip(state["checkpoint_report_indices"], state["checkpoint_results"]),
                           key=lambda pair: pair[0], reverse=True)
     corrupt, resume_from = [], None
@@ -102,6 +105,25 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
         log.error("No good checkpoint left in %s: the run starts again from epoch 1", run_dir)
     _write_snapshot(run_dir, state)
     return resume_from
+
+
+def _drop_unsaved_metrics(state: dict) -> bool:
+    """Remove metrics saved as null; say whether there were any.
+
+    Ray writes the snapshot with pydantic, which turns inf and NaN into null
+    (e.g. the -inf score of a checkpoint taken mid-epoch on a stop request, or
+    a NaN validation loss). Read back, a null score makes Ray Train's
+    checkpoint ranking fail (float * None) at the first report of the resumed
+    run; a missing score ranks lowest instead.
+    """
+    results = state["checkpoint_results"] + state["pending_training_results"] + \
+        ([state["latest_checkpoint_result"]] if state["latest_checkpoint_result"] else [])
+    dropped = False
+    for result in results:
+        for key in [key for key, value in result["metrics"].items() if value is None]:
+            del result["metrics"][key]
+            dropped = True
+    return dropped
 
 
 def _write_snapshot(run_dir: Path, state: dict) -> None:
