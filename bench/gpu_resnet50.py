@@ -45,14 +45,15 @@ def plain(args) -> None:
     from plain_ddp import ParquetImages
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.data import synthetic
-    from raytrain_ddp.data.pipeline import DataSpec, plan_data, to_model_inputs
+    from raytrain_ddp.data.pipeline import DataSpec, plan_data, synthetic_spec, to_model_inputs
     from raytrain_ddp.models import build_model
 
     device = torch.device("cuda:0")
     torch.manual_seed(0)
     fast = args.precision == "bf16"
     memory_format = torch.channels_last if fast else torch.contiguous_format
-    model = build_model("resnet50", synthetic.IMAGE_SHAPE, synthetic.NUM_CLASSES).to(device, memory_format=memory_format)
+    config = TrainConfig(model="resnet50")
+    model = build_model(config, synthetic_spec(config)).to(device, memory_format=memory_format)
     optimizer = torch.optim.SGD(model.parameters(), **SGD)
     loss_fn = nn.CrossEntropyLoss()
     if args.data == "synthetic":

@@ -1,12 +1,12 @@
 """Ingest, ours: the project's Ray Data pipeline feeding 2 consumer actors.
 
-`python -m bench.ours_ingest --data DIR --out FILE`. The train dataset is
-built exactly as a run builds it (raytrain_ddp.data.pipeline.build_datasets:
-read_parquet, seeded per-epoch random_shuffle, map_batches(to_model_inputs):
-PNG decode + crop/flip + normalise) and split by the project's
-ShardingDataConfig (streaming_split(2, equal=True), preserve_order). Two actors
-of 1 CPU each (the training workers' shape) iterate their shard with
-iter_torch_batches, as the worker loop does, and do nothing else. The local
+`python -m bench.ours_ingest --data DIR --out FILE`. The train split is
+laid out exactly as a run lays it out (raytrain_ddp.data.pipeline.build_datasets:
+Parquet row groups) and handed out by the project's ShardingDataConfig. Two
+actors of 1 CPU each (the training workers' shape) iterate their shard with
+epoch_batches, as the worker loop does (per epoch: the rank's row groups in
+the seed's order, read + PNG decode + crop/flip + normalise in Ray Data tasks,
+local shuffle buffer), and do nothing else. The local
 Ray gets 2 + DATA_CPUS logical CPUs, so Ray Data has DATA_CPUS for its tasks.
 """
 
@@ -19,18 +19,18 @@ import time
 import ray
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data
+from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, epoch_batches, plan_data
 
 CONSUMERS = 2
 
 
 @ray.remote(num_cpus=1)
 class Consumer:
-    def run(self, shard, epochs: int, batch_size: int) -> list[tuple[float, float, int, float]]:
+    def run(self, shard, config: TrainConfig, epochs: int) -> list[tuple[float, float, int, float]]:
         out = []
-        for _ in range(epochs):
+        for epoch in range(1, epochs + 1):
             started, rows, first = time.time(), 0, None
-            for batch in shard.iter_torch_batches(batch_size=batch_size):
+            for batch in epoch_batches(shard, config, epoch, "cpu"):
                 rows += len(batch["y"])
                 first = first or time.time()
             out.append((started, time.time(), rows, first))
@@ -58,7 +58,7 @@ def main() -> None:
                                                 worker_handles=None, worker_node_ids=None)
         consumers = [Consumer.remote() for _ in range(CONSUMERS)]
         ray.get([c.__ray_ready__.remote() for c in consumers])
-        per_consumer = ray.get([c.run.remote(shards[i]["train"], args.epochs, args.batch_size)
+        per_consumer = ray.get([c.run.remote(shards[i]["train"], config, args.epochs)
                                 for i, c in enumerate(consumers)])
     finally:
         ray.shutdown()

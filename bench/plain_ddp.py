@@ -29,7 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data import synthetic
-from raytrain_ddp.data.pipeline import DataSpec, plan_data, to_model_inputs
+from raytrain_ddp.data.pipeline import DataSpec, plan_data, synthetic_spec, to_model_inputs
 from raytrain_ddp.models import build_model
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = DDP(build_model(*MODEL))
+    model = DDP(build_model(TrainConfig(model=MODEL), synthetic_spec(TrainConfig())))
     optimizer = torch.optim.SGD(model.parameters(), **SGD)
     loss_fn = nn.CrossEntropyLoss()
     sampler, loader = make_loader(args, rank, world)

@@ -17,8 +17,9 @@ def run_cli(module: str, *args: str, timeout: float = 600, env: dict | None = No
                           timeout=timeout, cwd=REPO, env=full_env)
 
 
-def run_python_file(path: Path, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a script as a user would (`python path`), with the repo importable."""
+def run_python_file(path: Path, cwd: Path, env: dict | None = None, args: list[str] = (),
+                    timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a script as a user would (`python path ARGS`), with the repo importable."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd, env=full_env)

@@ -88,6 +88,34 @@ def test_same_seed_same_order_other_seed_other_order(recorded_runs):
     assert not np.array_equal(_seen(first, 1, 0), _seen(other_seed, 1, 0))
 
 
+@pytest.mark.ray
+def test_epoch_order_does_not_depend_on_what_ran_before(ray_address, tabular_data):
+    """A run resumed at epoch 2 (a new driver: everything built again, epoch 1 never read)
+    gets, rank by rank, the ids in the order the uninterrupted run got them."""
+    from raytrain_ddp import TrainConfig
+    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, epoch_batches, plan_data
+
+    config = TrainConfig(data=str(tabular_data), feature_columns=FEATURES, model="mlp", batch_size=32)
+
+    def train_shards() -> list:
+        datasets = build_datasets(config, plan_data(config))
+        per_rank = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=2, worker_handles=None,
+                                                  worker_node_ids=None)
+        return [shards["train"] for shards in per_rank]
+
+    def ids(shard, epoch: int) -> np.ndarray:
+        return np.concatenate([batch["id"].numpy() for batch in epoch_batches(shard, config, epoch, "cpu")])
+
+    uninterrupted = train_shards()
+    for shard in uninterrupted:
+        ids(shard, 1)
+    expected = [ids(shard, 2) for shard in uninterrupted]
+    resumed = [ids(shard, 2) for shard in train_shards()]
+    for rank in (0, 1):
+        assert np.array_equal(resumed[rank], expected[rank])
+    assert not set(expected[0]) & set(expected[1])
+
+
 def _image_folder(root: Path, per_class: int = 60) -> Path:
     """4 classes of 16x16 PNGs, each class its own dominant colour under noise."""
     rng = np.random.default_rng(0)

@@ -18,3 +18,21 @@ def test_train_from_python_example(ray_address, tmp_path):
     assert "status: finished" in result.stdout and "replicas identical: True" in result.stdout
     summary = json.loads((tmp_path / "runs" / "from-python" / "summary.json").read_text())
     assert summary["epochs_completed"] == 2
+
+
+def test_custom_plugins_example(ray_address, tmp_path):
+    result = run_python_file(REPO / "examples" / "custom_plugins.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address},
+                             args=["--epochs", "2", "--name", "plugins-example", "--no-report"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "plugins-example" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 2
+    assert summary["final_metrics"]["val_accuracy"] > 0.6  # 4 quadrant classes: chance is 0.25
+
+
+def test_fsdp_transformer_example(ray_address, tmp_path):
+    result = run_python_file(REPO / "examples" / "fsdp_transformer_lm.py", cwd=tmp_path,
+                             env={"RAY_ADDRESS": ray_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "status: finished" in result.stdout
+    summary = json.loads((tmp_path / "runs" / "fsdp-lm" / "summary.json").read_text())
+    assert summary["final_metrics"]["val_loss"] < 3.0  # a uniform guess over 64 tokens: 4.16

@@ -112,7 +112,7 @@ def test_fp16_with_grad_scaler_warmup_and_step_schedule(ray_address, tmp_path):
 
     config = _config(tmp_path, "fp16", model="cnn", precision="fp16", epochs=2, train_size=1024, val_size=256,
                      batch_size=32, lr=0.01, scale_lr=True, warmup_epochs=1, lr_schedule="step",
-                     clip_grad_norm=5.0)
+                     clip_grad_norm=5.0, channels_last=True)
     result = fit(config)
     assert result.ok, result.summary["error"]
     assert all(math.isfinite(r["train_loss"]) for r in result.epochs)

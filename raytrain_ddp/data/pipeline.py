@@ -1,40 +1,63 @@
-"""Ray Data pipelines that feed the training workers (runs on the driver).
+"""Ray Data pipelines that feed the training workers.
 
-Train and val datasets flow through the same steps: a source of rows (Parquet
-files read with ``ray.data.read_parquet``, or the built-in generated data), a
-per-epoch global shuffle (train only), and a CPU transform in ``map_batches``
-(decode, augment for train, normalise) to ``{"id", "x", "y"}``. All of it runs
-in Ray Data tasks, outside the training step, and Ray Train prefetches
-batches, so a GPU worker does not wait on decode.
+Both splits are read in *units*: a Parquet row group, read with pyarrow in a
+Ray Data task, or, for the built-in data, a chunk of ``ROWS_PER_CHUNK`` rows
+generated and normalised once per run and kept in Ray's object store. A Ray
+Data task turns a unit's rows into ``{"id", "x", "y"}`` (decode, augment for
+train, normalise), outside the training step, and Ray Data prefetches, so a
+GPU worker does not wait on decode.
 
-:class:`ShardingDataConfig` then splits each epoch, DistributedSampler-style:
+Train, every epoch (:func:`epoch_batches`, which each rank calls with the
+epoch number), DistributedSampler-style over units:
 
-* train: ``streaming_split(equal=True)``: each rank gets a disjoint, equally
-  sized shard, so every rank runs the same number of steps and DDP never waits
-  on an all-reduce one rank does not join. Up to ``world_size - 1`` rows of an
-  epoch are left out to make the shards equal (which ones changes per epoch).
-* val: ``equal=False``: every row is evaluated exactly once, on some rank;
-  the worker then all-reduces the sums so every rank holds the same numbers.
+* the units are put in an order drawn from ``(seed, epoch)``; rank r takes
+  rows ``[r * n, (r + 1) * n)`` of that sequence, ``n = rows // world_size``.
+  So the shards are disjoint and equal (every rank runs the same number of
+  steps: DDP never waits on an all-reduce one rank does not join), and they
+  cover every row but the last ``rows % world_size`` (fewer than world_size;
+  which ones changes per epoch), with a new split of rows between ranks;
+* each rank reads its units in that order, in parallel Ray Data tasks, and
+  mixes their rows in a local shuffle buffer of ``SHUFFLE_BUFFER_ROWS`` rows
+  seeded from ``(seed, epoch, rank)``.
 
-The shuffle is seeded with ``RandomSeedConfig(seed, reseed_after_execution=True)``
-and order is preserved, so each epoch has a new order, and a second run with
-the same seed repeats the first, epoch by epoch.
+The order of epoch E is therefore a function of ``(seed, E, world_size)``
+only: a second run with the same seed repeats the first, and a run resumed at
+epoch E (driver restarted, or Ray Train restarting the worker group) sees what
+the uninterrupted run saw. No all-to-all shuffle runs, so the first batch of an
+epoch waits for one unit, not for the whole training set.
+
+Shuffle quality, against a global row shuffle: a batch draws its rows from the
+``SHUFFLE_BUFFER_ROWS``-row window of a few units that are neighbours in the
+epoch's order (random units, but whole ones). Rows stored in a meaningful
+order, e.g. sorted by label, therefore share batches more than they would
+under a global shuffle; such data should be shuffled once when written (as
+``prepare`` does), or written with small row groups.
+
+Val: rank r reads rows ``[r * N // W, (r + 1) * N // W)`` in storage order,
+so every row is evaluated exactly once, on some rank; the worker then
+all-reduces the sums so every rank holds the same numbers.
+
+The built-in data needs no decoding: its chunks are model inputs already, and
+a rank takes its train pieces straight from the object store and shuffles all
+its rows (no window), in its own process, without Ray Data tasks.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow.parquet as pq
 import ray
 import ray.data
-from ray.data import RandomSeedConfig
+import torch
+from ray.data import ExecutionOptions, RandomSeedConfig
 from ray.train import DataConfig
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data import synthetic
+from raytrain_ddp.data import paths, synthetic
 from raytrain_ddp.data.format import decode_images
 from raytrain_ddp.data.validate import check_dataset
 from raytrain_ddp.errors import ConfigError
@@ -42,7 +65,9 @@ from raytrain_ddp.plugins import call_plugin
 
 log = logging.getLogger("raytrain_ddp")
 
-ROWS_PER_BLOCK = 1024
+ROWS_PER_CHUNK = 1024  # built-in rows per cached chunk (a unit)
+TRANSFORM_ROWS = 256  # rows decoded at a time: bounds the decode buffers of a large row group
+SHUFFLE_BUFFER_ROWS = 1024  # a rank's local shuffle window: rows of neighbouring units mixed together
 CROP_PADDING = 4  # pixels of reflection padding before the random crop
 
 
@@ -196,55 +221,196 @@ def read_split_rows(config: TrainConfig, split: str) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------ datasets
-def _synthetic_source(config: TrainConfig, ids: np.ndarray) -> ray.data.Dataset:
+@dataclass(frozen=True)
+class SplitSource:
+    """One split as units that a Ray Data task reads whole (plain values and object refs only).
+
+    A unit is a Parquet row group (`row_groups`: file URI and index, read as
+    `columns`), or a chunk of built-in rows already turned into model inputs
+    (`chunks`).
+    """
+
+    spec: DataSpec
+    unit_rows: tuple[int, ...]
+    row_groups: tuple[tuple[str, int], ...] = ()
+    columns: tuple[str, ...] = ()
+    chunks: tuple[ray.ObjectRef, ...] = ()
+
+    @property
+    def augments(self) -> bool:
+        """Random crop and flip for encoded images (the built-in images are not augmented)."""
+        return self.spec.kind == "image" and self.spec.encoding != "array"
+
+
+def _seed_of(*entropy: int) -> int:
+    """One 32-bit seed from several integers (Ray Data's local shuffle takes an int)."""
+    return int(np.random.SeedSequence(list(entropy)).generate_state(1)[0])
+
+
+def _read_piece(source: SplitSource, unit: int, start: int, stop: int) -> dict[str, np.ndarray]:
+    """Rows [start, stop) of a unit: as stored (Parquet) or as model inputs (built-in chunks)."""
+    if source.chunks:
+        chunk = ray.get(source.chunks[unit])
+        return {name: values[start:stop] for name, values in chunk.items()}
+    uri, row_group = source.row_groups[unit]
+    location = paths.resolve(uri)
+    with location.filesystem.open_input_file(location.path) as file:
+        table = pq.ParquetFile(file).read_row_group(row_group, columns=list(source.columns))
+    table = table.slice(start, stop - start)
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
+def _piece_inputs(batch: dict[str, np.ndarray], source: SplitSource, pieces: list[tuple[int, int, int]],
+                  augment_seed: int | None) -> Iterator[dict[str, np.ndarray]]:
+    """map_batches over piece numbers: one piece's model inputs, transformed a slice at a time."""
+    rows = _read_piece(source, *pieces[int(batch["id"][0])])
+    if source.chunks:
+        yield rows
+        return
+    for at in range(0, len(rows[source.spec.label_column]), TRANSFORM_ROWS):
+        yield to_model_inputs({name: values[at:at + TRANSFORM_ROWS] for name, values in rows.items()},
+                              source.spec, augment_seed)
+
+
+def _pieces_dataset(source: SplitSource, pieces: list[tuple[int, int, int]],
+                    augment_seed: int | None = None) -> ray.data.Dataset:
+    """A Dataset of the given (unit, start, stop) pieces' model inputs, one Ray Data task per piece."""
+    # from_items, not range: its blocks are made here, so each task reads and transforms in one go
+    numbers = [{"id": number} for number in range(len(pieces))]
+    return ray.data.from_items(numbers, override_num_blocks=max(1, len(pieces))).map_batches(
+        _piece_inputs, batch_size=1, batch_format="numpy",
+        fn_kwargs={"source": source, "pieces": pieces, "augment_seed": augment_seed})
+
+
+def _pieces(unit_rows: Sequence[int], order: Iterable[int], first: int, last: int) -> list[tuple[int, int, int]]:
+    """(unit, start, stop) pieces that cover rows [first, last) of the units laid end to end in `order`."""
+    pieces, offset = [], 0
+    for unit in order:
+        start, stop = max(first, offset), min(last, offset + unit_rows[unit])
+        if start < stop:
+            pieces.append((int(unit), start - offset, stop - offset))
+        offset += unit_rows[unit]
+    return pieces
+
+
+def epoch_pieces(unit_rows: Sequence[int], seed: int, epoch: int, rank: int,
+                 world_size: int) -> list[tuple[int, int, int]]:
+    """Rank's train pieces of an epoch, in order: rows [rank * n, (rank + 1) * n) of the units in the
+    order drawn from (seed, epoch), n = all rows // world_size."""
+    per_rank = sum(unit_rows) // world_size
+    order = np.random.default_rng([seed, epoch]).permutation(len(unit_rows))
+    return _pieces(unit_rows, order, rank * per_rank, (rank + 1) * per_rank)
+
+
+def val_pieces(unit_rows: Sequence[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    """Rank's val pieces, in storage order: rows [rank * N // W, (rank + 1) * N // W), none dropped."""
+    rows = sum(unit_rows)
+    return _pieces(unit_rows, range(len(unit_rows)), rank * rows // world_size, (rank + 1) * rows // world_size)
+
+
+@dataclass(frozen=True)
+class TrainShard:
+    """What Ray Train hands each rank for "train": the split's layout and the rank; the rows come per epoch."""
+
+    source: SplitSource
+    rank: int
+    world_size: int
+    execution_options: ExecutionOptions
+
+
+def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) -> Iterable[dict]:
+    """This rank's torch batches of `epoch` (counted from 1): a function of (seed, epoch, rank, world size)."""
+    if not isinstance(shard, TrainShard):  # a plug-in's dataset, already split (and reshuffled) by Ray Data
+        return shard.iter_torch_batches(batch_size=config.batch_size, device=device)
+    pieces = epoch_pieces(shard.source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
+    shuffle_seed = _seed_of(config.seed, epoch, shard.rank)
+    if shard.source.chunks:
+        return _in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed, device)
+    augment_seed = _seed_of(config.seed, epoch) if shard.source.augments else None
+    dataset = _pieces_dataset(shard.source, pieces, augment_seed)
+    dataset.context.execution_options = shard.execution_options
+    return dataset.iter_torch_batches(batch_size=config.batch_size, device=device,
+                                      local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS, local_shuffle_seed=shuffle_seed)
+
+
+def _in_memory_batches(source: SplitSource, pieces: list[tuple[int, int, int]], batch_size: int,
+                       shuffle_seed: int, device) -> Iterator[dict]:
+    """Built-in rows are model inputs already: the rank takes its pieces from the object store, in this
+    process (no Ray Data tasks, nothing to decode), and shuffles all of them."""
+    parts = [_read_piece(source, *piece) for piece in pieces]
+    rows = {name: np.concatenate([part[name] for part in parts]) for name in ("id", "x", "y")}
+    order = np.random.default_rng(shuffle_seed).permutation(len(rows["y"]))
+    for at in range(0, len(order), batch_size):
+        taken = order[at:at + batch_size]
+        yield {name: torch.from_numpy(values[taken]).to(device) for name, values in rows.items()}
+
+
+def _built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> SplitSource:
+    """Chunks generated and normalised once, here, into the object store (a task per chunk would
+    start a process each, on the cores the worker group is starting on)."""
+    pieces = [ids[at:at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
     generate = synthetic.GENERATORS[config.dataset]
-    seed, first_id = config.seed, int(ids[0])  # ids are contiguous: train 0..n-1, val after them
-    return ray.data.range(len(ids), override_num_blocks=max(1, len(ids) // ROWS_PER_BLOCK)).map_batches(
-        lambda batch: generate(batch["id"] + first_id, seed), batch_size=None
-    ).materialize()  # generated once, shuffled and transformed every epoch
+    return SplitSource(spec, tuple(len(piece) for piece in pieces),
+                       chunks=tuple(ray.put(to_model_inputs(generate(piece, config.seed), spec)) for piece in pieces))
 
 
-def shuffled_each_epoch(dataset: ray.data.Dataset, config: TrainConfig) -> ray.data.Dataset:
-    """A new order every epoch (each execution), the same sequence of orders for the same seed."""
-    return dataset.random_shuffle(seed=RandomSeedConfig(seed=config.seed, reseed_after_execution=True))
+def _parquet_source(spec: DataSpec, uris: Sequence[str]) -> SplitSource:
+    """Every row group of the files, in order, from their footers."""
+    row_groups, unit_rows, schemas = [], [], []
+    for uri in uris:
+        location = paths.resolve(uri)
+        with location.filesystem.open_input_file(location.path) as file:
+            metadata = pq.ParquetFile(file).metadata
+        schemas.append(metadata.schema)
+        for index in range(metadata.num_row_groups):
+            if metadata.row_group(index).num_rows:
+                row_groups.append((uri, index))
+                unit_rows.append(metadata.row_group(index).num_rows)
+    with_id = ["id"] if "id" in schemas[0].names else []
+    return SplitSource(spec, tuple(unit_rows), row_groups=tuple(row_groups), columns=tuple(_columns(spec) + with_id))
 
 
-def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, ray.data.Dataset]:
-    """The train and val Ray Datasets that `plan` describes."""
-    spec = plan.spec
-    if plan.plugin_datasets:  # already model-ready: only the per-epoch shuffle is ours
-        return {"train": shuffled_each_epoch(plan.plugin_datasets["train"], config),
+def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, SplitSource | ray.data.Dataset]:
+    """What Ray Train gets as `datasets`: the layout of each split; ShardingDataConfig hands it to every rank.
+
+    A --dataset plug-in's own Ray Datasets are shuffled globally (a new seed each
+    execution, i.e. each epoch) and split by Ray Data's streaming_split instead.
+    """
+    if plan.plugin_datasets:
+        shuffle_seed = RandomSeedConfig(seed=config.seed, reseed_after_execution=True)
+        return {"train": plan.plugin_datasets["train"].random_shuffle(seed=shuffle_seed),
                 "val": plan.plugin_datasets["val"]}
     if plan.train_paths:
-        with_id = _columns(spec) + (["id"] if "id" in pq.read_schema(plan.train_paths[0]).names else [])
-        sources = {"train": ray.data.read_parquet(list(plan.train_paths), columns=with_id),
-                   "val": ray.data.read_parquet(list(plan.val_paths), columns=with_id)}
-    else:
-        train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
-        sources = {"train": _synthetic_source(config, train_ids), "val": _synthetic_source(config, val_ids)}
-    augment_seed = config.seed if spec.kind == "image" and spec.encoding != "array" else None
-    datasets = {
-        "train": shuffled_each_epoch(sources["train"], config).map_batches(
-            to_model_inputs, fn_kwargs={"spec": spec, "augment_seed": augment_seed}, batch_format="numpy"),
-        "val": sources["val"].map_batches(to_model_inputs, fn_kwargs={"spec": spec}, batch_format="numpy"),
-    }
-    return datasets
+        return {"train": _parquet_source(plan.spec, plan.train_paths), "val": _parquet_source(plan.spec, plan.val_paths)}
+    train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
+    return {"train": _built_in_source(config, plan.spec, train_ids), "val": _built_in_source(config, plan.spec, val_ids)}
 
 
 class ShardingDataConfig(DataConfig):
-    """Equal train shards (no DDP hang), exact val shards (no row lost or repeated)."""
+    """Train: equal shards drawn per epoch (no DDP hang). Val: every row on exactly one rank."""
 
     def __init__(self) -> None:
         options = DataConfig.default_ingest_options()
-        options.preserve_order = True  # deterministic shard assignment from the seed
+        options.preserve_order = True  # blocks in piece order: the epoch's order is the seed's
         super().__init__(datasets_to_split=["train", "val"], execution_options=options)
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        # Ray Train calls this once per dataset name.
+        # Ray Train calls this once per dataset name and hands rank r shards[r][name]:
+        # for train what epoch_batches needs, for val an iterator over the rank's own fixed rows.
         shards = [{} for _ in range(world_size)]
-        for name, dataset in datasets.items():
-            dataset = dataset.copy(dataset)
-            dataset.context.execution_options = self._resolve_execution_options(name)
-            for rank, split in enumerate(dataset.streaming_split(world_size, equal=name == "train")):
-                shards[rank][name] = split
+        for name, source in datasets.items():
+            options = self._resolve_execution_options(name)
+            if isinstance(source, ray.data.Dataset):  # a plug-in's pipeline: equal train shards, exact val
+                source = source.copy(source)
+                source.context.execution_options = options
+                for rank, split in enumerate(source.streaming_split(world_size, equal=name == "train")):
+                    shards[rank][name] = split
+                continue
+            for rank in range(world_size):
+                if name == "train":
+                    shards[rank][name] = TrainShard(source, rank, world_size, options)
+                else:
+                    dataset = _pieces_dataset(source, val_pieces(source.unit_rows, rank, world_size))
+                    dataset.context.execution_options = options
+                    shards[rank][name] = dataset.iterator()
         return shards

@@ -87,10 +87,13 @@ class PixelStats:
 
 
 def split_by_class(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted (train, val) row indices: per class, round(n * val_fraction) rows go to val.
+    """(train, val) row indices: per class, round(n * val_fraction) rows go to val.
 
     Each class is shuffled by its own generator seeded with (seed, label), so the
     split is reproducible and one class's size does not move another's split.
+    Val is sorted; train comes in a seeded random order, so that rows sorted by
+    class on input are mixed in every row group (training shuffles whole row
+    groups per epoch and mixes rows only within a small window).
     """
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"val fraction must be in [0, 1), got {val_fraction}")
@@ -103,7 +106,9 @@ def split_by_class(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[
         shuffled = np.random.default_rng([seed, int(label)]).permutation(members)
         val_parts.append(shuffled[:val_count])
     val = np.sort(np.concatenate(val_parts)) if val_parts else np.array([], np.int64)
-    train = np.setdiff1d(np.arange(len(labels)), val)
+    # a spawn key no per-class generator has: the train order is a stream of its own
+    train_order = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,)))
+    train = train_order.permutation(np.setdiff1d(np.arange(len(labels)), val))
     return train, val
 
 

@@ -84,8 +84,12 @@ class FitResult:
         return self.summary.get("final_metrics") or {}
 
 
-def connect(config: TrainConfig) -> str | None:
-    """Join the cluster at --address / $RAY_ADDRESS, or start a local Ray. Returns the dashboard URL."""
+def connect(config: TrainConfig, import_roots: list[str] = ()) -> str | None:
+    """Join the cluster at --address / $RAY_ADDRESS, or start a local Ray. Returns the dashboard URL.
+
+    `import_roots` go on the PYTHONPATH of every Ray worker of this job, so
+    plug-in modules import in Ray Data's tasks as well as in the training workers.
+    """
     os.environ.update(QUIET_ENV)
     if not config.verbose:  # Ray's own INFO lines stay in its session logs, off the console
         for noisy in ("ray", "ray.data", "ray.train"):
@@ -95,7 +99,7 @@ def connect(config: TrainConfig) -> str | None:
         address = config.address or os.environ.get("RAY_ADDRESS")
         quiet = logging.INFO if config.verbose else logging.ERROR
         options = dict(logging_level=quiet, log_to_driver=config.verbose,
-                       runtime_env={"env_vars": QUIET_ENV})
+                       runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}})
         if address:
             context = preflight.init_ray(address, **options)
         else:
@@ -107,6 +111,11 @@ def connect(config: TrainConfig) -> str | None:
         url = ray._private.worker.get_dashboard_url()  # already connected (a notebook, a test session)
     ray.data.DataContext.get_current().enable_progress_bars = config.verbose
     return f"http://{url}" if url and not url.startswith("http") else url
+
+
+def _pythonpath(import_roots: list[str]) -> dict:
+    paths = list(import_roots) + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
 
 
 def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[dict]) -> None:
@@ -275,7 +284,7 @@ def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> Fi
         start_state = _check_plan(config, plan, model_fn)
     if config.mlflow_uri:
         require_mlflow()
-    dashboard_url = connect(config)
+    dashboard_url = connect(config, plugins["import_roots"])
     if dataset_fn:
         plan = plugin_plan(config, dataset_fn, dataset_label)
         start_state = _check_plan(config, plan, model_fn)

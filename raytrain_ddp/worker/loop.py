@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec
+from raytrain_ddp.data.pipeline import DataSpec, epoch_batches
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
 from raytrain_ddp.worker import checkpoint as ckpt
@@ -192,7 +192,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # A run stopped mid-epoch resumes after the micro-batches it had already trained on.
         skip_micro_batches = position.step_in_epoch * config.grad_accum if epoch == position.epoch + 1 else 0
         steps_in_epoch, skipped_steps, stop_reason = position.step_in_epoch if skip_micro_batches else 0, 0, None
-        batches = train_shard.iter_torch_batches(batch_size=config.batch_size, device=device)
+        batches = epoch_batches(train_shard, config, epoch, device)
         for micro, (batch, is_last) in enumerate(timed_batches(batches, meter, slow_data_s), start=1):
             if micro <= skip_micro_batches:
                 continue
@@ -242,8 +242,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         rank_metrics = {
             "epoch": epoch, "rank": rank, "train_loss": meter.mean_loss(), "samples": meter.samples,
             "steps": meter.steps, "optimizer_steps": steps_in_epoch, "skipped_steps": skipped_steps,
-            "grad_allreduces": trainer.grad_syncs.calls, "lr": trainer.lr, "train_seconds": train_seconds,
-            "data_wait_seconds": meter.data_wait_s,
+            "grad_allreduces": trainer.grad_syncs.calls if config.strategy == "ddp" else None,  # FSDP: not counted
+            "lr": trainer.lr, "train_seconds": train_seconds, "data_wait_seconds": meter.data_wait_s,
             "step_seconds": (train_seconds - meter.data_wait_s) / max(meter.steps, 1), **val_metrics,
         }
         trainer.grad_syncs.calls = 0
