@@ -176,7 +176,11 @@ def test_resume_from_starts_a_new_run_from_a_checkpoint(ray_address, tmp_path):
 def test_usr1_stops_at_a_checkpoint_and_the_same_command_resumes(ray_address, tmp_path):
     command = _cli(tmp_path, "preempted", address=ray_address)
     run_dir = tmp_path / "preempted"
-    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Epochs of >= 3 s however idle the machine: the stop request (heartbeats
+    # every second, checked every 10 steps) must land before the last epoch.
+    slowed = {**os.environ, "RAYTRAIN_TEST_SLOW_DATA": "0:0.2"}
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=slowed)
     _wait_for_epoch(run_dir, 1)
     time.sleep(1)  # into epoch 2
     first.send_signal(signal.SIGUSR1)
