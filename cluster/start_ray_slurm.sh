@@ -10,8 +10,15 @@
 #   python -u -m raytrain_ddp.run --address HEAD_IP:PORT --num-workers N [--use-gpu] <your args>
 # on the head node, and stops this job's Ray processes when the job ends,
 # however it ends. The job's exit code is the trainer's (0 ok, 1 training
-# failed, 2 bad input/infeasible request); 3 means the Ray cluster could not
-# be brought up (the log says which node and why).
+# failed, 2 bad input/infeasible request, 75 stopped early after a checkpoint);
+# 3 means the Ray cluster could not be brought up (the log says which node and
+# why).
+#
+# Time limit and preemption: Slurm sends USR1 300 s before the end; the script
+# forwards it to the trainer, which checkpoints at the next step and exits 75;
+# the script then stops Ray and requeues the job (`scontrol requeue`). The
+# requeued job keeps its job id, hence its run name and directory, and resumes
+# from that checkpoint. The job log (appended to, not overwritten) shows both.
 #
 # Edit the defaults below, or override any of them on the sbatch command line.
 #SBATCH --job-name=raytrain
@@ -23,6 +30,7 @@
 #SBATCH --output=raytrain-%j.out   # job log (%j = job id), relative to the submit dir
 #SBATCH --requeue                  # let Slurm requeue the job after a node failure/preemption
 #SBATCH --signal=B:USR1@300        # USR1 to this script 300 s before the time limit -> trainer checkpoints
+#SBATCH --open-mode=append         # a requeued job appends to the log instead of overwriting it
 #
 # Environment knobs (all optional):
 #   RAYTRAIN_PYTHON          python to use (default: `python` from PATH, i.e. your activated env)
@@ -451,7 +459,7 @@ export RAY_AUTH_TOKEN_PATH="$JOB_DIR/auth_token"
 unset RAY_AUTH_TOKEN                        # it would take precedence over the file
 
 # ---- plan ------------------------------------------------------------------------------
-log "job $JOB: $NNODES node(s): ${NODES[*]}; head $HEAD ($HEAD_IP); ray $ray_version; python $PY"
+log "job $JOB (restart count ${SLURM_RESTART_COUNT:-0}): $NNODES node(s): ${NODES[*]}; head $HEAD ($HEAD_IP); ray $ray_version; python $PY"
 log "per node: cpus ${CPUS[*]}; gpus ~$GPUS_EST (each node re-reads its own allocation)"
 log "ports: gcs $GCS_PORT, dashboard $DASH_PORT, client $CLIENT_PORT, agent $AGENT_PORT"
 log "run directory: $STORAGE/$NAME"
@@ -466,6 +474,9 @@ STEP_PIDS=()
 TRAINER_PID=""
 EXIT_CODE=""
 CLEANED=0
+GOT_USR1=0        # the time-limit warning (or a preemption notice) came
+REQUEUE=0         # the trainer stopped after a checkpoint: run this job again
+EXIT_STOPPED=75   # the trainer's "stopped early; run the same command again to resume"
 cleanup() {
     local rc=${EXIT_CODE:-$?} i pid
     ((CLEANED)) && return 0
@@ -506,23 +517,31 @@ cleanup() {
     else
         log "cleanup done: no Ray process of job $JOB left on $HEAD; exit code $rc"
     fi
+    # Only now, with Ray stopped on every node: requeueing ends this job at once.
+    if ((REQUEUE)); then
+        if scontrol requeue "$JOB"; then
+            log "requeued job $JOB (restart $((${SLURM_RESTART_COUNT:-0} + 1))): it resumes run $NAME from its checkpoint"
+            exit 0   # not a failure: the job runs again
+        fi
+        err "scontrol requeue $JOB failed; submit the same command again to resume run $NAME"
+    fi
     exit "$rc"
 }
 trap cleanup EXIT
 trap 'log "got TERM (scancel or time limit): shutting down"; EXIT_CODE=143; exit 143' TERM
 trap 'log "got INT: shutting down"; EXIT_CODE=130; exit 130' INT
 
-# Hook for the pre-timeout warning (sbatch --signal=B:USR1@300): the trainer
-# checkpoints and exits on USR1. REQUEUE HOOK: a later issue decides whether
-# to `scontrol requeue $SLURM_JOB_ID` here, after the trainer has exited.
+# The pre-timeout warning (sbatch --signal=B:USR1@300): the trainer
+# checkpoints at its next step and exits 75; the job is then requeued (in
+# cleanup, once Ray is stopped) -- see the end of this script.
 on_time_limit_warning() {
+    GOT_USR1=1
     if [[ -n $TRAINER_PID ]] && rt_alive "$TRAINER_PID"; then
         log "got USR1 (time limit near): forwarding to the trainer (pid $TRAINER_PID)"
         kill -USR1 "$TRAINER_PID" 2>/dev/null || true
     else
         log "got USR1 (time limit near) before the trainer started; nothing to forward"
     fi
-    # --- requeue hook (not implemented yet) ---
 }
 trap on_time_limit_warning USR1
 
@@ -703,5 +722,9 @@ trc=0
 wait_for "$TRAINER_PID" || trc=$?
 TRAINER_PID=""
 log "trainer exited with code $trc; run directory: $STORAGE/$NAME"
+if ((trc == EXIT_STOPPED && GOT_USR1)); then
+    log "the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped"
+    REQUEUE=1
+fi
 EXIT_CODE=$trc
 exit "$trc"

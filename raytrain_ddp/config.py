@@ -80,6 +80,7 @@ class TrainConfig:
     storage_path: str = field(default="runs", metadata=_flag("where run directories go (shared storage on a cluster)"))
     name: Optional[str] = field(default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)"))
     num_to_keep: int = field(default=2, metadata=_flag("best checkpoints to keep, by validation accuracy"))
+    resume_from: Optional[str] = field(default=None, metadata=_flag("start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): its weights, optimizer state and epoch; --epochs is the total"))
     # Robustness
     max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
     skip_nonfinite: bool = field(default=False, metadata=_flag("skip optimizer steps whose gradients are NaN/inf (all ranks agree) instead of stopping"))

@@ -21,8 +21,16 @@ examples:
   python -m raytrain_ddp.run --data /shared/ds --model resnet18 --epochs 10
   python -m raytrain_ddp.run --config runs/NAME/config.toml   # repeat a run exactly
 
-exit codes: 0 finished, 1 training failed, 2 bad input (nothing was started)
+exit codes:
+  0    finished
+  1    training failed (the error per rank is in the log and RUN_DIR/summary.json)
+  2    bad input or a request the cluster cannot hold (nothing was started)
+  75   stopped early on SIGUSR1/SIGTERM after a checkpoint (EX_TEMPFAIL):
+       run the same command again to resume
+  130  interrupted (Ctrl-C)
 """
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 2, 75, 130
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -71,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         result = fit(config)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
-    return 0 if result.ok else 1
+        return EXIT_INTERRUPTED
+    if result.stopped:
+        return EXIT_STOPPED
+    return 0 if result.ok else EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ CASES = [
     ("bad-name", ["--name", "../escape"], "--name '../escape' may hold only letters"),
     ("half-explicit-data", ["--train-data", "/x/train"], "--train-data and --val-data go together"),
     ("data-and-explicit", ["--data", "/x", "--train-data", "/x/t", "--val-data", "/x/v"], "either --data DIR or --train-data/--val-data"),
+    ("unreachable-address", ["--address", "127.0.0.1:1"], "cannot connect to the Ray cluster at 127.0.0.1:1: Connection refused"),
+    ("resume-from-missing", ["--resume-from", "/no/such/checkpoint"], "--resume-from '/no/such/checkpoint' does not exist"),
 ]
 
 
@@ -53,6 +55,47 @@ def test_bad_flag_is_one_line_and_exit_2(tmp_path, args, message):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and message in lines[0]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def _checkpoint(directory, drop: tuple = (), **changes) -> str:
+    """A checkpoint file laid out as rank zero writes one (cnn, built-in data), with `changes`, less `drop`."""
+    import torch
+
+    directory.mkdir()
+    state = {"model": {}, "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 1, "step_in_epoch": 0,
+             "global_step": 32, "rng": {}, "metrics": {},
+             "config": {"model": "cnn", "name": "earlier"}, "data_spec": {"input_shape": [3, 32, 32], "num_classes": 10},
+             **changes}
+    torch.save({key: value for key, value in state.items() if key not in drop}, directory / "checkpoint.pt")
+    return str(directory)
+
+
+def _garbage(directory) -> str:
+    directory.mkdir()
+    (directory / "checkpoint.pt").write_bytes(b"not a torch file")
+    return str(directory)
+
+
+RESUME_FROM_CASES = [
+    # (id, makes the --resume-from path in a directory, what the one line must say)
+    ("empty-dir", lambda d: str(d.mkdir() or d), "is not a usable checkpoint: checkpoint.pt is missing"),
+    ("garbage-file", lambda d: _garbage(d) + "/checkpoint.pt", "is not a usable checkpoint: it does not load"),
+    ("keys-missing", lambda d: _checkpoint(d, drop=("optimizer",)), "keys missing: optimizer"),
+    ("other-model", lambda d: _checkpoint(d, config={"model": "mlp"}, data_spec={"input_shape": [32], "num_classes": 10}),
+     "was made for model mlp on inputs (32,) with 10 classes; this run is model cnn on inputs (3, 32, 32)"),
+    ("epochs-done", lambda d: _checkpoint(d, epoch=5), "has already trained 5 epochs; ask for more --epochs"),
+]
+
+
+@pytest.mark.parametrize("make, message", [c[1:] for c in RESUME_FROM_CASES], ids=[c[0] for c in RESUME_FROM_CASES])
+def test_bad_resume_from_is_one_line_and_exit_2(tmp_path, make, message):
+    checkpoint = make(tmp_path / "checkpoint_x")
+    result = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), "--epochs", "3",
+                     "--resume-from", checkpoint, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --resume-from '{checkpoint}' ") and message in lines[0], lines
+    assert not any((tmp_path / "runs").iterdir())
 
 
 def test_unreadable_config_file(tmp_path):

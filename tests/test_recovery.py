@@ -111,3 +111,94 @@ def test_nonfinite_loss_stops_the_run_naming_where(ray_address, tmp_path):
                          val_size=64, lr=1e12, max_failures=0))
     assert not result.ok
     assert "training loss is" in result.summary["error"] and "at epoch 1, by step" in result.summary["error"]
+
+
+def _cli(tmp_path: Path, name: str, *extra: str, address: str, epochs: int = 3) -> list[str]:
+    return [sys.executable, "-m", "raytrain_ddp.run", "--address", address, "--epochs", str(epochs),
+            "--train-size", "2048", "--val-size", "256", "--storage-path", str(tmp_path), "--name", name,
+            "--no-report", "--no-tensorboard", *extra]
+
+
+def _latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint Ray Train would resume from, as its snapshot records it."""
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    if not snapshot.exists():
+        return None
+    latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]
+    return run_dir / latest["checkpoint_dir_name"] if latest else None
+
+
+def _wait_for_checkpoint_of_epoch(run_dir: Path, epoch: int, timeout: float = 300) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        latest = _latest_checkpoint(run_dir)
+        if latest and json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())[
+                "latest_checkpoint_result"]["metrics"].get("epoch") == epoch:
+            return latest
+        time.sleep(0.2)
+    raise TimeoutError(f"no checkpoint of epoch {epoch} in {run_dir}")
+
+
+def test_corrupt_latest_checkpoint_is_named_and_the_previous_one_used(ray_address, tmp_path):
+    command = _cli(tmp_path, "corrupted", address=ray_address)
+    run_dir = tmp_path / "corrupted"
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = _wait_for_checkpoint_of_epoch(run_dir, 2)
+    first.kill()  # the run dies after epoch 2's checkpoint...
+    first.wait()
+    checkpoint_file = latest / "checkpoint.pt"
+    checkpoint_file.write_bytes(checkpoint_file.read_bytes()[:1000])  # ...which is then truncated
+    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    named = [line for line in second.stderr.splitlines() if "is corrupt" in line]
+    assert len(named) == 1 and str(checkpoint_file) in named[0], second.stderr[-3000:]
+    assert (run_dir / "corrupt" / latest.name / "checkpoint.pt").exists()  # kept for a post-mortem, never loaded
+    assert "Resuming from checkpoint " in second.stderr and "(epoch 1)" in second.stderr, second.stderr[-3000:]
+    assert _epochs(run_dir) == [1, 2, 3]  # epoch 2 ran again from epoch 1's checkpoint, recorded once
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+def test_resume_from_starts_a_new_run_from_a_checkpoint(ray_address, tmp_path):
+    first = subprocess.run(_cli(tmp_path, "source", address=ray_address, epochs=1), cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = json.loads((tmp_path / "source" / "summary.json").read_text())["best_checkpoint"]
+    second = subprocess.run(_cli(tmp_path, "continued", "--resume-from", checkpoint, address=ray_address, epochs=2),
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Starting from checkpoint {Path(checkpoint).parent} (epoch 1) of run source" in second.stderr
+    assert _epochs(tmp_path / "continued") == [2]  # epoch 1 came with the checkpoint
+    source_loss = json.loads((tmp_path / "source" / "metrics.jsonl").read_text())["val_loss"]
+    continued_loss = json.loads((tmp_path / "continued" / "metrics.jsonl").read_text())["val_loss"]
+    assert continued_loss < source_loss  # it really carried on from the trained weights
+
+
+def test_usr1_stops_at_a_checkpoint_and_the_same_command_resumes(ray_address, tmp_path):
+    command = _cli(tmp_path, "preempted", address=ray_address)
+    run_dir = tmp_path / "preempted"
+    # Epochs of >= 3 s however idle the machine: the stop request (heartbeats
+    # every second, checked every 10 steps) must land before the last epoch.
+    slowed = {**os.environ, "RAYTRAIN_TEST_SLOW_DATA": "0:0.2"}
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=slowed)
+    _wait_for_epoch(run_dir, 1)
+    time.sleep(1)  # into epoch 2
+    first.send_signal(signal.SIGUSR1)
+    seen = []
+    for line in first.stdout:  # the driver has taken the first signal...
+        seen.append(line)
+        if "Got SIGUSR1" in line:
+            break
+    first.send_signal(signal.SIGUSR1)  # ...and a second one, stopping or just stopped, is logged, not fatal
+    output = "".join(seen) + first.communicate(timeout=300)[0]
+    assert first.returncode == 75, output[-3000:]
+    assert "Got SIGUSR1 (Slurm's warning before the time limit): every rank checkpoints" in output
+    assert "while already stopping" in output or "after training ended" in output, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["stop_reason"].startswith("SIGUSR1"), summary
+    assert summary["epochs_completed"] < 3 and Path(summary["resume_checkpoint"]).exists(), summary
+
+    second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert _epochs(run_dir) == [1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"

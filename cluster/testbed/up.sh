@@ -149,6 +149,9 @@ SlurmdDebug=info
 ReturnToService=2
 # Finished jobs leave squeue after 5 s (default 300 makes sbatch --wait late).
 MinJobAge=5
+# A requeued job waits cred_expire seconds before it may start again (default
+# 120): 20 keeps the preemption/requeue test short.
+AuthInfo=cred_expire=20
 KillWait=30
 InactiveLimit=0
 SlurmdTimeout=60

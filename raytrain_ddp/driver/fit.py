@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.config import is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
-from raytrain_ddp.driver import preflight
+from raytrain_ddp.driver import preflight, run_checkpoints
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
@@ -66,6 +67,15 @@ class FitResult:
         return self.summary["status"] == "finished"
 
     @property
+    def stopped(self) -> bool:
+        """Stopped early on request (a signal) with epochs left: running it again resumes it."""
+        return self.summary["status"] == "stopped"
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.summary.get("stop_reason")
+
+    @property
     def best_checkpoint(self) -> str | None:
         return self.summary.get("best_checkpoint")
 
@@ -90,16 +100,12 @@ def connect(config: TrainConfig, import_roots: list[str] = ()) -> str | None:
         quiet = logging.INFO if config.verbose else logging.ERROR
         options = dict(logging_level=quiet, log_to_driver=config.verbose,
                        runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}})
-        try:
-            if address:
-                context = ray.init(address=address, **options)
-            else:
-                cpus = preflight.local_cpus(config)
-                log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
-                context = ray.init(address="local", include_dashboard=True, num_cpus=cpus, **options)
-        except (ConnectionError, RuntimeError, ValueError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"cannot connect to the Ray cluster at {address or 'a new local instance'}: {first_line}") from None
+        if address:
+            context = preflight.init_ray(address, **options)
+        else:
+            cpus = preflight.local_cpus(config)
+            log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
+            context = preflight.init_ray("local", include_dashboard=True, num_cpus=cpus, **options)
         url = context.dashboard_url
     else:
         url = ray._private.worker.get_dashboard_url()  # already connected (a notebook, a test session)
@@ -255,6 +261,12 @@ def check_model_builds(config: TrainConfig, plan: DataPlan, model_fn) -> None:
         build_model(config, plan.spec, model_fn)
 
 
+def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> dict | None:
+    """The model builds for this data, and --resume-from was made for both; returns --resume-from's state."""
+    check_model_builds(config, plan, model_fn)
+    return run_checkpoints.check_resume_from(config, plan.spec) if config.resume_from else None
+
+
 def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> FitResult:
     """Train as `config` says; return where the results are. Raises ConfigError on bad input.
 
@@ -269,23 +281,85 @@ def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> Fi
     dataset_label = plugins.pop("dataset_label")
     if not dataset_fn:
         plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
-        check_model_builds(config, plan, model_fn)
+        start_state = _check_plan(config, plan, model_fn)
     if config.mlflow_uri:
         require_mlflow()
     dashboard_url = connect(config, plugins["import_roots"])
     if dataset_fn:
         plan = plugin_plan(config, dataset_fn, dataset_label)
-        check_model_builds(config, plan, model_fn)
+        start_state = _check_plan(config, plan, model_fn)
     nodes = preflight.node_table()
     preflight.check_fits(config, nodes)
     run_dir = _prepare_run_dir(config)
     log_file = _log_to_console_and_file(run_dir)
     try:
+        _choose_start(config, run_dir, start_state)
         return _train(config, plan, run_dir, dashboard_url, nodes, started, plugins)
     finally:
         log.removeHandler(log_file)
         progress_log.removeHandler(log_file)
         log_file.close()
+
+
+def _choose_start(config: TrainConfig, run_dir: Path, start_state: dict | None) -> None:
+    """A run with checkpoints of its own continues from its newest good one; else --resume-from's."""
+    if run_checkpoints.has_own_checkpoints(run_dir):
+        resume_from = run_checkpoints.set_aside_corrupt_latest(run_dir)
+        if resume_from:
+            log.info("Resuming from checkpoint %s", resume_from)
+        if start_state is not None:
+            log.info("Run %s has checkpoints of its own: continuing from them, not from --resume-from", config.name)
+    elif start_state is not None:
+        run_checkpoints.seed_new_run(config, start_state)
+
+
+STOP_SIGNALS = {
+    signal.SIGUSR1: "SIGUSR1 (Slurm's warning before the time limit)",
+    signal.SIGTERM: "SIGTERM",
+}
+
+
+@dataclass
+class StopSignal:
+    """The first stop signal of a run, and whether training had already ended by then."""
+
+    reason: str | None = None
+    at: float = 0.0
+    training_over: bool = False
+
+
+@contextmanager
+def _stop_on_signals(monitor):
+    """Until the summary is written, SIGUSR1/SIGTERM ask every rank to checkpoint at its next step and return.
+
+    A second signal, or one after training ended, is only logged: it must not
+    kill the driver before the summary says where to resume from. Handlers can
+    only be set from the main thread: elsewhere (a notebook thread, a test)
+    signals keep their usual meaning.
+    """
+    stop = StopSignal()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_signal(signum, frame):
+        reason = STOP_SIGNALS[signum]
+        if stop.training_over:
+            log.warning("Got %s after training ended: nothing left to stop", reason)
+        elif stop.reason:
+            log.warning("Got %s while already stopping on %s: still waiting for the checkpoint", reason, stop.reason)
+        else:
+            stop.reason, stop.at = reason, time.time()
+            log.warning("Got %s: every rank checkpoints at its next step and stops; "
+                        "run the same command again to resume", reason)
+            monitor.request_stop.remote(reason)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: str | None,
@@ -305,24 +379,32 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
     watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop, config.hang_timeout_s), daemon=True)
     watcher.start()
     error, result = None, None
-    try:
-        result = _make_trainer(config, datasets, plan.spec, monitor, plugins).fit()
-    except ray.train.TrainingFailedError as err:
-        error = _describe_failure(err)
-    finally:
-        stop.set()
-        watcher.join()
-        ray.kill(monitor)
-        for sink in sinks:
-            sink.close()
+    with _stop_on_signals(monitor) as stop_signal:
+        try:
+            result = _make_trainer(config, datasets, plan.spec, monitor, plugins).fit()
+        except ray.train.TrainingFailedError as err:
+            error = _describe_failure(err)
+        finally:
+            stop_signal.training_over = True
+            stop.set()
+            watcher.join()
+            stop_reason = ray.get(monitor.stop_requested.remote())
+            ray.kill(monitor)
+            for sink in sinks:
+                sink.close()
+        if stop_signal.reason:
+            log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
 
-    summary = _summary(config, recorder, result, error, time.time() - started)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _link_ray_logs(run_dir)
-    if config.report:
-        log.info("Report: %s", write_report(run_dir))
+        summary = _summary(config, recorder, result, error, stop_reason, time.time() - started)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _link_ray_logs(run_dir)
+        if config.report:
+            log.info("Report: %s", write_report(run_dir))
     if error:
         log.error("Training failed: %s", error)
+    elif summary["status"] == "stopped":
+        log.warning("Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
+                    stop_reason, summary["epochs_completed"], config.epochs, summary["resume_checkpoint"])
     else:
         log.info("Finished %d epochs in %.0fs; best checkpoint: %s", summary["epochs_completed"],
                  summary["seconds"], summary["best_checkpoint"])
@@ -334,6 +416,8 @@ def _link_ray_logs(run_dir: Path) -> None:
     node = getattr(ray._private.worker, "_global_node", None)  # no public API names the session dir
     session_dir = node.get_session_dir_path() if node else None
     link = run_dir / "ray-logs"
+    if session_dir and link.is_symlink():
+        link.unlink()  # a resumed run (a requeued job, a new Ray): point at this session's logs
     if session_dir and not link.exists():
         link.symlink_to(Path(session_dir) / "logs")
 
@@ -351,18 +435,25 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "unknown error"
 
 
-def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | None, seconds: float) -> dict:
+def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | None, stop_reason: str | None,
+             seconds: float) -> dict:
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
-    if result is not None and result.best_checkpoints:
-        checkpoint, best_metrics = max(result.best_checkpoints, key=lambda pair: pair[1]["val_accuracy"])
+    scored = [pair for pair in (result.best_checkpoints if result is not None else []) if "val_accuracy" in pair[1]]
+    if scored:  # a checkpoint taken mid-epoch on a stop request has no validation score
+        checkpoint, best_metrics = max(scored, key=lambda pair: pair[1]["val_accuracy"])
         best_checkpoint = os.path.join(checkpoint.path, CHECKPOINT_FILE)
     checksums = [recorder.checksums.get(rank) for rank in range(config.num_workers)]
     if error and recorder.hangs:
         error = f"watchdog: {recorder.hangs[-1]} -> {error}"
+    # Stopped only with epochs left: a stop request that came as the last epoch ended changes nothing.
+    stopped = not error and stop_reason is not None and max(recorder.epochs, default=0) < config.epochs
+    latest = result.checkpoint if result is not None else None
     return {
-        "status": "failed" if error else "finished",
+        "status": "failed" if error else "stopped" if stopped else "finished",
         "error": error,
+        "stop_reason": stop_reason if stopped else None,
+        "resume_checkpoint": os.path.join(latest.path, CHECKPOINT_FILE) if stopped and latest else None,
         "name": config.name,
         "run_dir": str(recorder.run_dir),
         "epochs_completed": len(epochs),

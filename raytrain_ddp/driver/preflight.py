@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 
 import ray
 
@@ -19,6 +20,27 @@ from raytrain_ddp.errors import ConfigError
 # Ray Data's decode/shuffle tasks need CPUs the training workers do not hold:
 # without one left over, ingest waits for ever and so does training.
 DATA_LOADING_CPUS = 1
+
+
+def init_ray(address: str, **options):
+    """`ray.init`, with a cluster that cannot be reached as a one-line ConfigError.
+
+    An address nothing listens on makes Ray retry for minutes: a plain TCP
+    connection answers in seconds first.
+    """
+    if address not in ("auto", "local") and "://" not in address:
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except (OSError, ValueError) as err:
+            why = getattr(err, "strerror", None) or str(err) or type(err).__name__
+            raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None
+    try:
+        return ray.init(address=address, **options)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        where = {"local": "a new local instance", "auto": "this machine"}.get(address, address)
+        raise ConfigError(f"cannot connect to the Ray cluster at {where}: {first_line}") from None
 
 
 def node_table() -> list[dict]:

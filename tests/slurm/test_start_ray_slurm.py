@@ -182,3 +182,55 @@ def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
     job = Job(job_id, -1, log, time.monotonic() - t0, wd)
     assert "forwarding to the trainer" in log, show(job)
     assert_no_leftovers(job, timeout=40)
+
+
+def _log_time(log: str, needle: str) -> float:
+    """Seconds of the day of the first `[raytrain HH:MM:SS]` line containing `needle`."""
+    line = next(l for l in log.splitlines() if needle in l)
+    h, m, s = map(int, re.search(r"\[raytrain (\d\d):(\d\d):(\d\d)\]", line).groups())
+    return h * 3600 + m * 60 + s
+
+
+def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed) -> None:
+    """The time-limit warning end to end: USR1 -> checkpoint mid-epoch -> exit 75 ->
+    scontrol requeue -> the same job id runs again in the same run directory,
+    resumes from that checkpoint and finishes the requested epochs."""
+    wd = testbed.workdir("preempt")
+    log_path = wd / "job.out"
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--output", str(log_path), *TWO_NODES,
+         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
+         "--epochs", "3", "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"],
+        cwd=wd, env=testbed.env(), capture_output=True, text=True, timeout=60, check=True,
+    )
+    job_id = int(sub.stdout.strip().split(";")[0])
+    run_dir = wd / "runs" / f"raytrain-{job_id}"
+    t0 = time.monotonic()
+    try:
+        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
+            assert time.monotonic() - t0 < 300, "epoch 1 never recorded:\n" + (log_path.read_text() if log_path.exists() else "")
+            time.sleep(0.5)
+        time.sleep(1)  # into epoch 2
+        subprocess.run(["scancel", "--signal=USR1", "--batch", str(job_id)], check=True, timeout=30)
+        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() - t0 < 600, "the job (or its requeued run) did not finish:\n" + log_path.read_text()
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", str(job_id)], timeout=30)
+    log = log_path.read_text()
+    job = Job(job_id, -1, log, time.monotonic() - t0, wd)
+    assert "got USR1 (time limit near): forwarding to the trainer" in log, show(job)
+    assert "Got SIGUSR1 (Slurm's warning before the time limit)" in log, show(job)
+    assert "trainer exited with code 75" in log, show(job)
+    assert f"requeued job {job_id} (restart 1)" in log, show(job)
+    assert f"job {job_id} (restart count 1)" in log, show(job)  # the same job id ran again...
+    assert f"run directory: {run_dir}" in log.split("(restart count 1)", 1)[1], show(job)  # ...in the same run dir
+    assert "Resuming from checkpoint " in log, show(job)
+    assert "trainer exited with code 0" in log, show(job)
+    assert [json.loads(l)["epoch"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
+    print(f"USR1 -> trainer exit 75: {_log_time(log, 'trainer exited with code 75') - _log_time(log, 'got USR1'):.0f}s; "
+          f"requeue -> trainer start again: {_log_time(log.split('(restart count 1)', 1)[1], 'trainer: ') - _log_time(log, 'requeued job'):.0f}s; "
+          f"whole test {job.elapsed:.0f}s")
+    assert_no_leftovers(job)

@@ -1,0 +1,67 @@
+"""`python -m raytrain_ddp.cluster status [--address HOST:PORT]`: what the Ray cluster can hold.
+
+Prints the table preflight checks a training request against: each alive
+node's CPUs, GPUs and memory, and how many training workers of the default
+shape (``--cpus-per-worker`` 1, plus one GPU each with ``--use-gpu``) fit on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.run import EXIT_BAD_INPUT, OneLineErrorParser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="python -m raytrain_ddp.cluster",
+                                description="Look at the Ray cluster a training run would use.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="per-node CPUs, GPUs, memory and how many workers fit")
+    status.add_argument("--address", help="Ray cluster, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the "
+                                          "cluster started on this machine)")
+    return parser
+
+
+def status_table(nodes: list[dict]) -> str:
+    from raytrain_ddp.driver import preflight
+
+    cpu_shape, gpu_shape = TrainConfig(), TrainConfig(use_gpu=True)
+    rows = [("node", "CPUs", "GPUs", "memory GiB", f"workers ({cpu_shape.cpus_per_worker:g} CPU)",
+             f"GPU workers ({gpu_shape.cpus_per_worker:g} CPU + 1 GPU)")]
+    for node in nodes:
+        rows.append((node["node_ip"], f"{node['cpus']:g}", f"{node['gpus']:g}", f"{node['memory_gib']:.1f}",
+                     str(preflight.workers_that_fit(node, cpu_shape)), str(preflight.workers_that_fit(node, gpu_shape))))
+    rows.append(("total", f"{sum(n['cpus'] for n in nodes):g}", f"{sum(n['gpus'] for n in nodes):g}",
+                 f"{sum(n['memory_gib'] for n in nodes):.1f}",
+                 f"{preflight.most_workers(cpu_shape, nodes)} (1 CPU left for data loading)",
+                 str(preflight.most_workers(gpu_shape, nodes))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+def status(address: str | None) -> str:
+    from raytrain_ddp.driver import preflight
+
+    preflight.init_ray(address or os.environ.get("RAY_ADDRESS") or "auto",
+                       logging_level=logging.ERROR, log_to_driver=False)
+    nodes = preflight.node_table()
+    return f"Ray cluster: {len(nodes)} alive node(s)\n{status_table(nodes)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        print(status(args.address))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
