@@ -38,6 +38,9 @@ class TrainConfig:
     # Cluster and workers
     num_workers: int = field(default=2, metadata=_flag("training workers (one per GPU with --use-gpu)"))
     use_gpu: bool = field(default=False, metadata=_flag("one GPU per worker, NCCL; CPU and gloo otherwise"))
+    min_workers: Optional[int] = field(default=None, metadata=_flag(
+        "elastic: start and keep training with as few as this many workers when workers or nodes are lost "
+        "(Ray Train's num_workers=(min, max)); the global batch shrinks with them"))
     cpus_per_worker: float = field(default=1.0, metadata=_flag("CPUs reserved for each training worker"))
     address: Optional[str] = field(
         default=None,
@@ -83,6 +86,9 @@ class TrainConfig:
     resume_from: Optional[str] = field(default=None, metadata=_flag("start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): its weights, optimizer state and epoch; --epochs is the total"))
     # Robustness
     max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
+    capacity_wait_s: int = field(default=300, metadata=_flag(
+        "after a node or worker is lost, seconds to wait for capacity for the workers (--min-workers with elastic) "
+        "to come back before the run fails, naming what was lost"))
     skip_nonfinite: bool = field(default=False, metadata=_flag("skip optimizer steps whose gradients are NaN/inf (all ranks agree) instead of stopping"))
     collective_timeout_s: int = field(default=600, metadata=_flag("seconds a DDP collective may wait before it fails"))
     hang_timeout_s: int = field(default=300, metadata=_flag("seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"))
@@ -128,6 +134,10 @@ class TrainConfig:
         _at_least("--max-failures", self.max_failures, 0)
         _at_least("--collective-timeout-s", self.collective_timeout_s, 1)
         _at_least("--hang-timeout-s", self.hang_timeout_s, 1)
+        _at_least("--capacity-wait-s", self.capacity_wait_s, 1)
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.num_workers:
+            raise ConfigError(f"--min-workers must be between 1 and --num-workers ({self.num_workers}), "
+                              f"got {self.min_workers}")
         if not self.cpus_per_worker > 0:
             raise ConfigError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
         if not self.lr > 0:

@@ -407,6 +407,9 @@ def _summary_html(run: Run) -> str:
     sps = s.get("samples_per_second")
     facts.append(("Throughput", f"{_fmt(sps, ',.0f')} samples/s over the whole run" if sps is not None else DASH))
     facts.append(("Restarts", _e(s.get("restarts", DASH))))
+    if s.get("lost_nodes"):
+        facts.append(("Lost nodes", _e("; ".join(f"{n['hostname']} ({n['node_ip']}), rank(s) "
+                                               f"{', '.join(map(str, n['ranks'])) or 'none'}" for n in s["lost_nodes"]))))
     checksums = s.get("param_checksums") or []
     reported = [c for c in checksums if c]
     if checksums and len(reported) < len(checksums):  # a failed run: some ranks never got to report

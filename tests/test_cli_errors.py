@@ -42,6 +42,9 @@ CASES = [
     ("bad-name", ["--name", "../escape"], "--name '../escape' may hold only letters"),
     ("half-explicit-data", ["--train-data", "/x/train"], "--train-data and --val-data go together"),
     ("data-and-explicit", ["--data", "/x", "--train-data", "/x/t", "--val-data", "/x/v"], "either --data DIR or --train-data/--val-data"),
+    ("min-workers-above-max", ["--num-workers", "2", "--min-workers", "3"], "--min-workers must be between 1 and --num-workers (2), got 3"),
+    ("zero-min-workers", ["--min-workers", "0"], "--min-workers must be between 1 and --num-workers (2), got 0"),
+    ("zero-capacity-wait", ["--capacity-wait-s", "0"], "--capacity-wait-s must be at least 1, got 0"),
     ("unreachable-address", ["--address", "127.0.0.1:1"], "cannot connect to the Ray cluster at 127.0.0.1:1: Connection refused"),
     ("resume-from-missing", ["--resume-from", "/no/such/checkpoint"], "--resume-from '/no/such/checkpoint' does not exist"),
 ]

@@ -127,6 +127,23 @@ def test_infeasible_request_fails_in_seconds(ray_address, tmp_path):
     assert elapsed < 30  # not Ray Train's 60 s start timeout, nor for ever
     assert not any(tmp_path.iterdir())
 
+    elastic = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "8", "--min-workers", "3",
+                      "--storage-path", str(tmp_path), timeout=60)
+    assert elastic.returncode == 2
+    assert "asked for at least 3 workers x 1 CPU" in elastic.stderr and "try --min-workers 2" in elastic.stderr
+
+
+def test_elastic_run_starts_with_the_workers_that_fit(ray_address, tmp_path):
+    """--min-workers: 4 asked, 2 fit beside the data-loading CPU: it trains with 2 and says so."""
+    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "4", "--min-workers", "1",
+                     "--epochs", "1", "--train-size", "512", "--val-size", "128", "--no-report",
+                     "--storage-path", str(tmp_path), "--name", "elastic", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in result.stderr
+    assert "Global batch = 64 per worker x 2 workers = 128" in result.stderr
+    summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 128 and summary["replicas_identical"]
+
 
 def test_request_that_starves_data_loading_fails_in_seconds(ray_address, tmp_path):
     result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "2", "--cpus-per-worker", "1.5",

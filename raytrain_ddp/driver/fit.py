@@ -8,8 +8,8 @@ workers' news while it runs, and write ``summary.json``.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import signal
 import threading
@@ -47,6 +47,12 @@ POLL_INTERVAL_S = 0.5
 # Before any rank has reported, the wait is start-up (processes, imports, the process
 # group), slow on a busy node: the watchdog allows this long, or --hang-timeout-s if longer.
 STARTUP_GRACE_S = 120
+NODE_CHECK_INTERVAL_S = 2.0
+# How long Ray Train waits to place a worker group before it counts a controller failure and decides
+# again. Right after a node dies Ray still counts it, so the first restart asks for too many workers:
+# this wait bounds how long an elastic run (--min-workers) takes to notice and start with fewer.
+WORKER_GROUP_PLACEMENT_WAIT_S = 30
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # read by Ray Train's controller
 PROGRESS_LOG_INTERVAL_S = 5.0
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
@@ -118,17 +124,21 @@ def _pythonpath(import_roots: list[str]) -> dict:
     return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
 
 
-def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[dict]) -> None:
+def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[dict], workers: int) -> None:
     log.info("Ray cluster: %d node(s): %s", len(nodes), preflight.describe(nodes))
     if dashboard_url:
         log.info("Ray dashboard: %s", dashboard_url)
     device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
-    log.info("Training %s on %s with %d workers x %s, %s, %s, %d epochs", config.model,
-             config.data or config.train_data or config.dataset, config.num_workers, device,
+    elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
+    log.info("Training %s on %s with %d workers%s x %s, %s, %s, %d epochs", config.model,
+             config.data or config.train_data or config.dataset, workers, elastic, device,
              config.strategy.upper(), config.precision, config.epochs)
+    if workers < config.num_workers:
+        log.warning("Only %d of the %d workers asked for fit the cluster: starting with %d (--min-workers %d)",
+                    workers, config.num_workers, workers, config.min_workers)
     accumulation = f" x {config.grad_accum} micro-batches" if config.grad_accum > 1 else ""
     log.info("Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
-             config.batch_size, accumulation, config.num_workers, config.global_batch_size)
+             config.batch_size, accumulation, workers, config.batch_size * config.grad_accum * workers)
     if config.scale_lr:
         log.info("Learning rate scaled linearly with the global batch: %g x %d = %g", config.lr,
                  config.num_workers * config.grad_accum, config.effective_lr)
@@ -163,19 +173,26 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     return log_file
 
 
-def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict) -> TorchTrainer:
+def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int) -> TorchTrainer:
+    os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
+    # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
+    # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
+    placement_tries = math.ceil(config.capacity_wait_s / WORKER_GROUP_PLACEMENT_WAIT_S) + 1
+    # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
+    # (Ray Train's own count would fill every CPU and starve the data pipeline).
+    workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
                            "plugins": plugins, "test_delays": _test_delays()},
-        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu,
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=config.use_gpu,
                                      resources_per_worker={"CPU": config.cpus_per_worker}),
         run_config=RunConfig(
             name=config.name, storage_path=config.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=config.num_to_keep,
                                                checkpoint_score_attribute="val_accuracy",
                                                checkpoint_score_order="max"),
-            failure_config=FailureConfig(max_failures=config.max_failures),
+            failure_config=FailureConfig(max_failures=config.max_failures, controller_failure_limit=placement_tries),
         ),
         torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
         datasets=datasets,
@@ -216,8 +233,62 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
     ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
 
 
-def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s: int) -> None:
-    """Drain the monitor until training ends (then once more), watching for a stall.
+class NodeWatch:
+    """The Ray cluster's nodes as the run goes on: which left, which joined."""
+
+    def __init__(self, nodes: list[dict]) -> None:
+        self.alive = {node["node_id"]: node for node in nodes}
+        self.checked = time.time()
+
+    def changes(self) -> tuple[list[dict], list[dict]]:
+        """(lost, joined) since the last look."""
+        self.checked = time.time()
+        now = {node["node_id"]: node for node in preflight.node_table()}
+        lost = [node for node_id, node in self.alive.items() if node_id not in now]
+        joined = [node for node_id, node in now.items() if node_id not in self.alive]
+        self.alive = now
+        return lost, joined
+
+
+def _abort_trainer() -> None:
+    """End TorchTrainer.fit() from the watcher thread: kill this job's Ray Train controller, so fit() raises.
+
+    Ray offers no public handle to the controller (it lives inside fit()); its actor table names it.
+    """
+    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    for actor_id, actor in ray._private.state.actors(job_id=job_id).items():
+        if actor["ActorClassName"] == "TrainController" and actor["State"] != "DEAD":
+            ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+
+
+def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: NodeWatch) -> None:
+    lost, joined = node_watch.changes()
+    for node in lost:
+        ranks = recorder.node_lost(node)
+        on_it = f": rank(s) {', '.join(map(str, ranks))} ran there" if ranks else ""
+        log.error("Lost node %s (%s) from the Ray cluster%s", node["hostname"], node["node_ip"], on_it)
+        if ranks:
+            needed = config.min_workers or config.num_workers
+            log.warning("Ray Train restarts the workers from the latest checkpoint once there is room for %d; "
+                        "waiting up to %ds (--capacity-wait-s)", needed, config.capacity_wait_s)
+    for node in joined:
+        log.info("Node %s (%s) joined the Ray cluster", node["hostname"], node["node_ip"])
+
+
+def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
+    """Why the run gives up after a node loss, and what to do: one line."""
+    lost = "; ".join(f"{n['hostname']} ({n['node_ip']}, rank(s) {', '.join(map(str, n['ranks']))})"
+                     for n in recorder.lost_nodes if n["ranks"])
+    needed = config.min_workers or config.num_workers
+    fits = preflight.most_workers(config, preflight.node_table())
+    hint = "" if config.min_workers or not fits else f", or let it go on with fewer: --min-workers {fits}"
+    return (f"lost node {lost} after {len(recorder.epochs)} epoch(s); room for {needed} worker(s) did not come "
+            f"back within {config.capacity_wait_s}s (the cluster now holds {fits}); the checkpoints are kept: "
+            f"run the same command again when the nodes are back{hint}")
+
+
+def _watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch) -> None:
+    """Drain the monitor until training ends (then once more), watching for a stall and for lost nodes.
 
     Every few seconds a progress line goes to driver.log (not the console,
     which gets one row per epoch), so a log shows where a long epoch stands.
@@ -226,7 +297,16 @@ def _watch(monitor, recorder: RunRecorder, stop: threading.Event, hang_timeout_s
     while not stop.wait(POLL_INTERVAL_S):
         try:
             recorder.consume(ray.get(monitor.drain.remote()))
-            allowed_s = hang_timeout_s if recorder.any_rank_training else max(hang_timeout_s, STARTUP_GRACE_S)
+            if time.time() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
+                _note_node_changes(config, recorder, node_watch)
+            if recorder.interrupted_at is not None:  # no group to watch: waiting for capacity
+                if time.time() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
+                    recorder.abort_reason = _capacity_verdict(config, recorder)
+                    log.error("Giving up: %s", recorder.abort_reason)
+                    _abort_trainer()
+                continue
+            allowed_s = config.hang_timeout_s if recorder.any_rank_training else max(config.hang_timeout_s,
+                                                                                      STARTUP_GRACE_S)
             if time.time() - recorder.last_news > allowed_s:
                 _end_stalled_attempt(recorder, allowed_s)
             if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
@@ -275,6 +355,11 @@ def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> Fi
     model, data and loss, as --model/--dataset/--loss import paths do on the CLI.
     """
     config.validate()
+    with _stop_on_signals() as stop_signal:
+        return _fit(config, model_fn, dataset_fn, loss_fn, stop_signal)
+
+
+def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSignal) -> FitResult:
     started = time.time()
     plugins = resolve_plugins(config, model_fn, dataset_fn, loss_fn)
     dataset_fn = plugins.pop("dataset_fn")
@@ -289,12 +374,12 @@ def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> Fi
         plan = plugin_plan(config, dataset_fn, dataset_label)
         start_state = _check_plan(config, plan, model_fn)
     nodes = preflight.node_table()
-    preflight.check_fits(config, nodes)
+    start_workers = preflight.check_fits(config, nodes)
     run_dir = _prepare_run_dir(config)
     log_file = _log_to_console_and_file(run_dir)
     try:
         _choose_start(config, run_dir, start_state)
-        return _train(config, plan, run_dir, dashboard_url, nodes, started, plugins)
+        return _train(config, plan, run_dir, dashboard_url, nodes, start_workers, started, plugins, stop_signal)
     finally:
         log.removeHandler(log_file)
         progress_log.removeHandler(log_file)
@@ -326,11 +411,19 @@ class StopSignal:
     reason: str | None = None
     at: float = 0.0
     training_over: bool = False
+    monitor: object = None  # the run's RunMonitor, once training is about to start
+
+    def forward_to(self, monitor) -> None:
+        """From now on the workers hear of a stop; one that came during start-up, at once."""
+        self.monitor = monitor
+        if self.reason:
+            monitor.request_stop.remote(self.reason)
 
 
 @contextmanager
-def _stop_on_signals(monitor):
-    """Until the summary is written, SIGUSR1/SIGTERM ask every rank to checkpoint at its next step and return.
+def _stop_on_signals():
+    """From fit()'s start until the summary is written, SIGUSR1/SIGTERM ask every rank to checkpoint
+    at its next step and return (one that comes during start-up: at the first step check).
 
     A second signal, or one after training ended, is only logged: it must not
     kill the driver before the summary says where to resume from. Handlers can
@@ -352,7 +445,8 @@ def _stop_on_signals(monitor):
             stop.reason, stop.at = reason, time.time()
             log.warning("Got %s: every rank checkpoints at its next step and stops; "
                         "run the same command again to resume", reason)
-            monitor.request_stop.remote(reason)
+            if stop.monitor is not None:
+                stop.monitor.request_stop.remote(reason)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
@@ -362,44 +456,47 @@ def _stop_on_signals(monitor):
             signal.signal(signum, handler)
 
 
-def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: str | None,
-           nodes: list[dict], started: float, plugins: dict) -> FitResult:
-    _describe_start(config, dashboard_url, nodes)
+def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: str | None, nodes: list[dict],
+           start_workers: int, started: float, plugins: dict, stop_signal: StopSignal) -> FitResult:
+    _describe_start(config, dashboard_url, nodes, start_workers)
 
     datasets = build_datasets(config, plan)
     monitor = start_monitor()
     sinks = ([TensorBoardLog(run_dir)] if config.tensorboard else []) + \
         ([MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else [])
-    steps_per_epoch = math.ceil(plan.spec.train_rows // config.num_workers / config.batch_size)
-    recorder = RunRecorder(run_dir, config.num_workers, config.epochs, steps_per_epoch, sinks)
+    recorder = RunRecorder(run_dir, config, plan.spec.train_rows, start_workers, sinks)
     if recorder.epochs:
         log.info("Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
                  config.name, ", ".join(map(str, sorted(recorder.epochs))))
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop, config.hang_timeout_s), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop, config, NodeWatch(nodes)), daemon=True)
     watcher.start()
     error, result = None, None
-    with _stop_on_signals(monitor) as stop_signal:
-        try:
-            result = _make_trainer(config, datasets, plan.spec, monitor, plugins).fit()
-        except ray.train.TrainingFailedError as err:
-            error = _describe_failure(err)
-        finally:
-            stop_signal.training_over = True
-            stop.set()
-            watcher.join()
-            stop_reason = ray.get(monitor.stop_requested.remote())
-            ray.kill(monitor)
-            for sink in sinks:
-                sink.close()
-        if stop_signal.reason:
-            log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
+    stop_signal.forward_to(monitor)
+    try:
+        result = _make_trainer(config, datasets, plan.spec, monitor, plugins, start_workers).fit()
+    except ray.train.TrainingFailedError as err:
+        error = _describe_failure(err)
+    except ray.exceptions.RayActorError:  # the watcher ended the controller: capacity did not come back
+        if not recorder.abort_reason:
+            raise
+        error = recorder.abort_reason
+    finally:
+        stop_signal.training_over = True
+        stop.set()
+        watcher.join()
+        stop_reason = ray.get(monitor.stop_requested.remote())
+        ray.kill(monitor)
+        for sink in sinks:
+            sink.close()
+    if stop_signal.reason:
+        log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
 
-        summary = _summary(config, recorder, result, error, stop_reason, time.time() - started)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _link_ray_logs(run_dir)
-        if config.report:
-            log.info("Report: %s", write_report(run_dir))
+    summary = _summary(config, recorder, result, error, stop_reason, time.time() - started)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _link_ray_logs(run_dir)
+    if config.report:
+        log.info("Report: %s", write_report(run_dir))
     if error:
         log.error("Training failed: %s", error)
     elif summary["status"] == "stopped":
@@ -443,7 +540,7 @@ def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | No
     if scored:  # a checkpoint taken mid-epoch on a stop request has no validation score
         checkpoint, best_metrics = max(scored, key=lambda pair: pair[1]["val_accuracy"])
         best_checkpoint = os.path.join(checkpoint.path, CHECKPOINT_FILE)
-    checksums = [recorder.checksums.get(rank) for rank in range(config.num_workers)]
+    checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:
         error = f"watchdog: {recorder.hangs[-1]} -> {error}"
     # Stopped only with epochs left: a stop request that came as the last epoch ended changes nothing.
@@ -458,12 +555,13 @@ def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | No
         "run_dir": str(recorder.run_dir),
         "epochs_completed": len(epochs),
         "epochs_requested": config.epochs,
-        "world_size": config.num_workers,
+        "world_size": recorder.world_size,  # of the last attempt: elastic runs (--min-workers) may shrink
         "per_worker_batch_size": config.batch_size,
-        "global_batch_size": config.global_batch_size,
+        "global_batch_size": config.batch_size * config.grad_accum * recorder.world_size,
         "workers": [recorder.workers[rank] for rank in sorted(recorder.workers)],
         "restarts": recorder.restarts,
         "hangs": recorder.hangs,
+        "lost_nodes": recorder.lost_nodes,
         "final_metrics": epochs[-1] if epochs else None,
         "best_checkpoint": best_checkpoint,
         "best_metrics": best_metrics,

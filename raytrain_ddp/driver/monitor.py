@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_ddp.config import TrainConfig
 
 
 log = logging.getLogger("raytrain_ddp")
@@ -93,14 +96,13 @@ TABLE_HEADER = f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val lo
 class RunRecorder:
     """Turns worker events into metrics.jsonl, table rows and the summary's facts."""
 
-    def __init__(self, run_dir: Path, world_size: int, total_epochs: int, steps_per_epoch: int,
-                 sinks: list) -> None:
+    def __init__(self, run_dir: Path, config: TrainConfig, train_rows: int, world_size: int, sinks: list) -> None:
         self.run_dir = run_dir
-        self.steps_per_epoch = steps_per_epoch
+        self.batch_size, self.grad_accum, self.total_epochs = config.batch_size, config.grad_accum, config.epochs
+        self.train_rows = train_rows
+        self.world_size = world_size  # of the current attempt: elastic runs (--min-workers) change it
         self._rate_epoch, self._rate_start = 0, (0.0, 0)
         self.sinks = sinks  # TensorBoardLog, MlflowLog: anything with write_epoch(record)
-        self.world_size = world_size
-        self.total_epochs = total_epochs
         self.workers: dict[int, dict] = {}
         self.starts_of_rank0 = 0
         self.checksums: dict[int, str] = {}
@@ -109,8 +111,16 @@ class RunRecorder:
         self._progress: dict[int, dict] = {}
         self.last_news = time.time()  # when any rank last said it was moving
         self.hangs: list[str] = []  # the watchdog's verdicts
+        self.lost_nodes: list[dict] = []
+        self.interrupted_at: float | None = None  # when a lost node took ranks with it; None while a group runs
+        self.abort_reason: str | None = None  # why the driver ended the run (capacity did not come back)
         self._interactive = sys.stderr.isatty()
         self._table_started = False
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Micro-batches per rank per epoch, at the current world size."""
+        return math.ceil(self.train_rows // self.world_size / self.batch_size)
 
     def _read_earlier_epochs(self) -> dict[int, dict]:
         """A resumed run keeps the epochs it already recorded."""
@@ -131,8 +141,9 @@ class RunRecorder:
                 self.last_news = time.time()
             if kind == "started":
                 self.workers[rank] = payload
-                self.starts_of_rank0 += rank == 0
                 self._progress.pop(rank, None)
+                if rank == 0:
+                    self._new_attempt(payload["world_size"])
             elif kind == "progress":
                 self._track_position(rank, payload)
             elif kind == "epoch":
@@ -143,6 +154,32 @@ class RunRecorder:
                 self.checksums[rank] = payload
         if self._interactive and self._progress:
             self._show_progress()
+
+    def _new_attempt(self, world_size: int) -> None:
+        """Ray Train started a worker group (the first, or a restart): follow its world size."""
+        self.starts_of_rank0 += 1
+        self.interrupted_at = None
+        self._pending.clear()  # half-reported epochs of a lost group are trained again
+        self.checksums.clear()
+        if self.starts_of_rank0 > 1:
+            log.warning("Ray Train restarted the workers from the latest checkpoint (restart %d)", self.restarts)
+        if world_size != self.world_size:
+            batch = self.batch_size * self.grad_accum
+            log.warning("Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d",
+                        world_size, self.world_size, batch, world_size, batch * world_size)
+            self.world_size = world_size
+            self.workers = {rank: info for rank, info in self.workers.items() if rank < world_size}
+            self._progress = {rank: p for rank, p in self._progress.items() if rank < world_size}
+
+    def node_lost(self, node: dict) -> list[int]:
+        """A node left the Ray cluster: note it; the ranks of the running group that were on it."""
+        ranks = sorted(rank for rank, info in self.workers.items() if info.get("node_id") == node["node_id"])
+        self.lost_nodes.append({**node, "lost_at": time.time(), "ranks": ranks})
+        if ranks:
+            self.interrupted_at = self.interrupted_at or time.time()
+            for rank in ranks:
+                self._progress.pop(rank, None)
+        return ranks
 
     def _write_epoch(self, by_rank: dict[int, dict]) -> None:
         ranks = [by_rank[r] for r in sorted(by_rank)]
@@ -165,6 +202,8 @@ class RunRecorder:
             "val_loss_per_rank": [m["val_loss"] for m in ranks],
             "val_accuracy_per_rank": [m["val_accuracy"] for m in ranks],
             "val_identical_across_ranks": len(val) == 1,
+            "world_size": len(ranks),
+            "global_batch_size": self.batch_size * self.grad_accum * len(ranks),
             "samples_per_second": sum(samples) / seconds,
             "samples_per_rank": samples,
             "steps_per_rank": [m["steps"] for m in ranks],

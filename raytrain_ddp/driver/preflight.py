@@ -44,7 +44,7 @@ def init_ray(address: str, **options):
 
 
 def node_table() -> list[dict]:
-    """Alive nodes with their total CPUs, GPUs and memory (GiB)."""
+    """Alive nodes: address, host name and Ray node id, with their total CPUs, GPUs and memory (GiB)."""
     rows = []
     for node in ray.nodes():
         if not node.get("Alive"):
@@ -52,6 +52,8 @@ def node_table() -> list[dict]:
         resources = node.get("Resources", {})
         rows.append({
             "node_ip": node.get("NodeManagerAddress", "?"),
+            "hostname": node.get("NodeManagerHostname", "?"),
+            "node_id": node.get("NodeID"),
             "cpus": resources.get("CPU", 0.0),
             "gpus": resources.get("GPU", 0.0),
             "memory_gib": resources.get("memory", 0.0) / 2**30,
@@ -71,17 +73,22 @@ def describe(nodes: list[dict]) -> str:
     return "; ".join(f"{n['node_ip']}: {n['cpus']:g} CPU, {n['gpus']:g} GPU, {n['memory_gib']:.1f} GiB" for n in nodes)
 
 
-def check_fits(config: TrainConfig, nodes: list[dict]) -> None:
-    """Raise ConfigError naming what was asked, what exists and what would fit."""
+def check_fits(config: TrainConfig, nodes: list[dict]) -> int:
+    """How many workers the run starts with; ConfigError naming what was asked, what exists and what would fit.
+
+    That is --num-workers, or with --min-workers (elastic) as many as fit, at least that many.
+    """
     shape = f"{config.cpus_per_worker:g} CPU" + (" + 1 GPU" if config.use_gpu else "")
-    asked = f"asked for {config.num_workers} workers x {shape}"
+    needed = config.min_workers or config.num_workers
+    asked = f"asked for {'at least ' if config.min_workers else ''}{needed} workers x {shape}"
     if config.use_gpu and not any(n["gpus"] for n in nodes):
         raise ConfigError(f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU")
     most = most_workers(config, nodes)
-    if most < config.num_workers:
-        hint = f"try --num-workers {most}" if most else "try a smaller --cpus-per-worker"
+    if most < needed:
+        hint = f"try --{'min' if config.min_workers else 'num'}-workers {most}" if most else "try a smaller --cpus-per-worker"
         raise ConfigError(f"{asked}, but the {len(nodes)} node(s) hold {most} beside {DATA_LOADING_CPUS} CPU "
                           f"for Ray Data loading ({describe(nodes)}); {hint}")
+    return min(most, config.num_workers)
 
 
 def most_workers(config: TrainConfig, nodes: list[dict]) -> int:

@@ -6,6 +6,7 @@ The file holds only tensors and plain Python values, so it loads with
 * ``model``, ``optimizer``: full (unsharded) state dicts, keyed by parameter
   name, for DDP and FSDP alike: a plain model loads ``model`` directly;
 * ``scheduler``, ``scaler``: learning-rate schedule and fp16 loss-scale state;
+  ``world_size``: how many ranks trained it (elastic runs change it);
 * ``epoch``: epochs completed (counting from 1); ``step_in_epoch``: optimizer
   steps already taken in the next epoch when the run was stopped mid-epoch
   (0 at an epoch boundary); ``global_step``: optimizer steps so far;
@@ -39,7 +40,7 @@ def save(directory: str, model_state: dict, optimizer_state: dict, training_stat
          position: Position, metrics: dict, run_info: dict) -> Checkpoint:
     """Write the state to `directory` (write, then rename) and wrap it as a Ray Train checkpoint.
 
-    `training_state` holds the scheduler and scaler state; `run_info` the
+    `training_state` holds the scheduler and scaler state and the world size; `run_info` the
     plain-data facts needed to use the checkpoint alone: config and data spec.
     """
     state = {

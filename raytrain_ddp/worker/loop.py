@@ -103,8 +103,8 @@ class Trainer:
         model = build_model(config, spec, plugins.get("model_fn"))
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
         self.optimizer = make_optimizer(config, self.model)  # after FSDP: it steps the local shards
-        world_size = ray.train.get_context().get_world_size()
-        self.epoch_steps = steps_per_epoch(spec.train_rows // world_size, config)
+        self.world_size = ray.train.get_context().get_world_size()  # elastic runs: this attempt's
+        self.epoch_steps = steps_per_epoch(spec.train_rows // self.world_size, config)
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
         self.scaler = strategy.grad_scaler(config, device)
         self.loss_fn = make_loss_fn(config, plugins.get("loss_fn"))
@@ -113,7 +113,13 @@ class Trainer:
         strategy.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        return ckpt.position_of(state)
+        position = ckpt.position_of(state)
+        if position.step_in_epoch and state.get("world_size", self.world_size) != self.world_size:
+            # Shards are drawn for a world size: the rows done so far are no prefix of the new shards.
+            log.info("world size changed from %d to %d: epoch %d starts over", state["world_size"],
+                     self.world_size, position.epoch + 1)
+            position.step_in_epoch = 0
+        return position
 
     def micro_step(self, batch: dict, synchronise: bool) -> torch.Tensor:
         """Forward and backward on one micro-batch; gradients are all-reduced only when `synchronise`."""
@@ -143,7 +149,8 @@ class Trainer:
         model_state, optimizer_state = strategy.full_state(self.model, self.optimizer)
         if rank == 0:
             with ckpt.scratch_dir() as directory:
-                training_state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+                training_state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                                  "world_size": self.world_size}
                 checkpoint = ckpt.save(directory, model_state, optimizer_state, training_state, position,
                                        metrics, run_info)
                 ray.train.report(metrics, checkpoint=checkpoint)
@@ -165,7 +172,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     rank = context.get_world_rank()
     device = ray.train.torch.get_device()
     monitor.worker_started.remote(rank, {
-        "rank": rank, "hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
+        "rank": rank, "world_size": context.get_world_size(), "hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
         "device": str(device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
     })
     _label_worker_logs(rank)

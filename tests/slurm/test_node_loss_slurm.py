@@ -1,0 +1,108 @@
+"""Node loss on the Slurm testbed: the Ray worker node's processes are killed mid-run.
+
+Two nodes, one training worker on each. After epoch 1, every Ray process of
+the second node (rtnode2) gets SIGKILL, as when a node dies (epoch 1's
+checkpoint is written by then, so a restart resumes at epoch 2). Then either
+there is no room for two workers and the run ends within --capacity-wait-s
+with an error naming the lost node (never a hang), or, with --min-workers 1,
+Ray Train restarts with the one worker that fits and the run finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_testbed import SCRIPT, Job, Testbed
+
+from test_start_ray_slurm import TWO_NODES, assert_no_leftovers, show
+
+pytestmark = pytest.mark.slurm
+
+LOST_NODE, LOST_NODE_INDEX = "rtnode2", 1  # the second node of the allocation: a Ray worker node
+TRAIN = ["--epochs", "3", "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"]
+
+
+def kill_node_ray(job_id: int, node_index: int) -> list[int]:
+    """SIGKILL every Ray process the job started on one node (tagged by start_ray_slurm.sh)."""
+    tag = f"RAYTRAIN_RAY_TAG=rt-{job_id}-{node_index}".encode()
+    killed = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and tag in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
+def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> tuple[Job, Path, float]:
+    """Submit, wait for epoch 1's checkpoint, kill rtnode2's Ray, wait for the job to end.
+
+    Returns the job, its run directory and the seconds from the kill to the job's end.
+    """
+    workdir = testbed.workdir(name)
+    log_path = workdir / "job.out"
+    sub = subprocess.run(["sbatch", "--parsable", "--output", str(log_path), *TWO_NODES, str(SCRIPT), *train_args],
+                         cwd=workdir, env=testbed.env(), capture_output=True, text=True, timeout=60, check=True)
+    job_id = int(sub.stdout.strip().split(";")[0])
+    run_dir = workdir / "runs" / f"raytrain-{job_id}"
+    started = time.monotonic()
+    try:
+        while not any(run_dir.glob("checkpoint_*/checkpoint.pt")):
+            assert time.monotonic() - started < 300, "no checkpoint of epoch 1:\n" + (
+                log_path.read_text() if log_path.exists() else "")
+            time.sleep(0.5)
+        time.sleep(2)  # Ray Train registers it once every rank has reported
+        assert kill_node_ray(job_id, LOST_NODE_INDEX), f"no Ray process of job {job_id} found on {LOST_NODE}"
+        killed_at = time.monotonic()
+        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() - killed_at < 300, "the job hangs after the node loss:\n" + log_path.read_text()
+            time.sleep(1)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        subprocess.run(["scancel", str(job_id)], timeout=30)
+    job = Job(job_id, -1, log_path.read_text(), time.monotonic() - started, workdir)
+    print(f"{name}: node killed -> job ended {ended_after:.0f}s; whole job {job.elapsed:.0f}s")
+    return job, run_dir, ended_after
+
+
+def test_lost_node_without_room_ends_with_an_error_naming_it(testbed: Testbed) -> None:
+    job, run_dir, ended_after = run_and_lose_a_node(testbed, "node-loss", [*TRAIN, "--capacity-wait-s", "20"])
+    assert f"Lost node {LOST_NODE}" in job.log, show(job)
+    assert re.search(r"rank\(s\) [01] ran there", job.log), show(job)  # whichever rank Ray placed there
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed", summary
+    assert summary["error"].startswith(f"lost node {LOST_NODE}"), summary["error"]
+    assert "did not come back within 20s" in summary["error"] and "--min-workers 1" in summary["error"], summary
+    assert [n["hostname"] for n in summary["lost_nodes"]] == [LOST_NODE], summary["lost_nodes"]
+    error_line = next(line for line in job.log.splitlines() if "Training failed:" in line)
+    assert LOST_NODE in error_line, show(job)
+    assert "trainer exited with code 1" in job.log, show(job)
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["epoch"] == 1  # epoch 1 is kept
+    assert_no_leftovers(job, timeout=60)
+
+
+def test_lost_node_with_min_workers_goes_on_with_fewer(testbed: Testbed) -> None:
+    job, run_dir, _ = run_and_lose_a_node(testbed, "node-loss-elastic", [*TRAIN, "--min-workers", "1"])
+    assert f"Lost node {LOST_NODE}" in job.log, show(job)
+    assert "Ray Train restarted the workers from the latest checkpoint (restart 1)" in job.log, show(job)
+    assert "Training goes on with 1 workers (was 2): global batch now 64 per worker x 1 = 64" in job.log, show(job)
+    assert "trainer exited with code 0" in job.log, show(job)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3], records  # every epoch once, none lost or doubled
+    assert records[0]["world_size"] == 2 and records[-1]["world_size"] == 1, records
+    assert records[-1]["global_batch_size"] == 64 and records[-1]["samples_per_rank"] == [2048], records[-1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
+    assert summary["world_size"] == 1 and summary["restarts"] >= 1, summary
+    assert [n["hostname"] for n in summary["lost_nodes"]] == [LOST_NODE], summary["lost_nodes"]
+    assert_no_leftovers(job, timeout=60)
