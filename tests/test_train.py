@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from support import run_cli
+from support import run_cli, run_python_file
 
 pytestmark = pytest.mark.ray
 
@@ -150,6 +150,31 @@ def test_request_that_starves_data_loading_fails_in_seconds(ray_address, tmp_pat
                      "--storage-path", str(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "hold 1 beside 1 CPU for Ray Data loading" in result.stderr and "try --num-workers 1" in result.stderr
+
+
+GPUS_RAY_SEES_CUDA_DOES_NOT = """
+import sys
+import ray
+from raytrain_ddp.run import main
+# This machine has no GPU: a Ray that counts one is exactly Ray seeing a GPU that CUDA does not.
+ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_gpus_ray_counts_but_cuda_cannot_see_fail_in_seconds(tmp_path):
+    script = tmp_path / "fake_gpu_cluster.py"
+    script.write_text(GPUS_RAY_SEES_CUDA_DOES_NOT)
+    started = time.monotonic()
+    result = run_python_file(script, tmp_path, args=["--use-gpu", "--num-workers", "1",
+                                                     "--storage-path", str(tmp_path / "runs")], timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --use-gpu: Ray counts GPUs on ") and "but CUDA sees none in a Ray worker" in line
+    assert "CUDA_VISIBLE_DEVICES=0" in line, line  # Ray did hand the worker its GPU
+    assert elapsed < 60
+    assert not any((tmp_path / "runs").iterdir())  # the storage dir is checked writable; no run dir
 
 
 def test_gpu_request_without_gpus_fails_in_seconds(ray_address, tmp_path):

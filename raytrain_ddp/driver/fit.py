@@ -375,6 +375,8 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
         start_state = _check_plan(config, plan, model_fn)
     nodes = preflight.node_table()
     start_workers = preflight.check_fits(config, nodes)
+    if config.use_gpu:
+        preflight.check_gpus_usable(nodes)
     run_dir = _prepare_run_dir(config)
     log_file = _log_to_console_and_file(run_dir)
     try:

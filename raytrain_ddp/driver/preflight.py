@@ -13,6 +13,7 @@ import os
 import socket
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError
@@ -105,6 +106,32 @@ def cpus_left_after_packing(config: TrainConfig, nodes: list[dict], workers: int
         workers -= placed
         left.append(node["cpus"] - placed * config.cpus_per_worker)
     return left
+
+
+CUDA_PROBE_TIMEOUT_S = 60  # a node whose GPUs are all busy cannot run the probe: it is skipped
+
+
+@ray.remote(num_cpus=0, num_gpus=0.01)
+def _cuda_probe() -> dict:
+    """What a Ray worker given a GPU on this node sees: what a training worker will see."""
+    import torch
+
+    return {"host": socket.gethostname(), "cuda": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "unset")}
+
+
+def check_gpus_usable(nodes: list[dict]) -> None:
+    """ConfigError when Ray counts GPUs on a node but CUDA sees none in a Ray worker there
+    (a CPU-only torch, a missing driver): NCCL would fail, or workers would train on CPU unnoticed."""
+    probes = [_cuda_probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["node_id"], soft=False))
+              .remote() for node in nodes if node["gpus"]]
+    ready, _ = ray.wait(probes, num_returns=len(probes), timeout=CUDA_PROBE_TIMEOUT_S)
+    for seen in ray.get(ready):
+        if not seen["cuda"]:
+            build = f"CUDA {seen['torch_cuda']}" if seen["torch_cuda"] else "no CUDA (a CPU-only build)"
+            raise ConfigError(f"--use-gpu: Ray counts GPUs on {seen['host']}, but CUDA sees none in a Ray worker "
+                              f"there (CUDA_VISIBLE_DEVICES={seen['visible']}, torch built for {build}); check the "
+                              "driver with nvidia-smi and that the cluster's environment has a CUDA build of torch")
 
 
 def local_cpus(config: TrainConfig) -> int:
