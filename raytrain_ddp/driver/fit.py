@@ -11,11 +11,9 @@ import json
 import logging
 import math
 import os
-import signal
 import threading
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +21,14 @@ import ray
 import ray.data
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.config import is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import preflight, run_checkpoints
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
+from raytrain_ddp.driver.signals import StopSignal, stop_on_signals
+from raytrain_ddp.driver.watchdog import NodeWatch, watch
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.errors import ConfigError
@@ -43,17 +42,11 @@ log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
 progress_log.propagate = False
 
-POLL_INTERVAL_S = 0.5
-# Before any rank has reported, the wait is start-up (processes, imports, the process
-# group), slow on a busy node: the watchdog allows this long, or --hang-timeout-s if longer.
-STARTUP_GRACE_S = 120
-NODE_CHECK_INTERVAL_S = 2.0
 # How long Ray Train waits to place a worker group before it counts a controller failure and decides
 # again. Right after a node dies Ray still counts it, so the first restart asks for too many workers:
 # this wait bounds how long an elastic run (--min-workers) takes to notice and start with fewer.
 WORKER_GROUP_PLACEMENT_WAIT_S = 30
 WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # read by Ray Train's controller
-PROGRESS_LOG_INTERVAL_S = 5.0
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
@@ -213,110 +206,6 @@ def _test_delays() -> dict:
     return delays
 
 
-@ray.remote(num_cpus=0)
-def _kill_process(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-
-
-def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
-    """The watchdog's verdict: name the stuck rank, then end it so Ray Train restarts from the checkpoint."""
-    verdict = f"no rank made progress for {hang_timeout_s}s; last seen: {recorder.describe_stall()}"
-    log.error("Watchdog: %s", verdict)
-    recorder.hangs.append(verdict)
-    recorder.last_news = time.time()  # the restarted attempt gets a full timeout of its own
-    worker = recorder.workers.get(recorder.stuck_rank())
-    if worker is None:
-        return
-    log.error("Watchdog: ending rank %d (pid %d on %s); Ray Train restarts the workers from the last checkpoint",
-              worker["rank"], worker["pid"], worker["hostname"])
-    on_its_node = NodeAffinitySchedulingStrategy(worker["node_id"], soft=False)
-    ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
-
-
-class NodeWatch:
-    """The Ray cluster's nodes as the run goes on: which left, which joined."""
-
-    def __init__(self, nodes: list[dict]) -> None:
-        self.alive = {node["node_id"]: node for node in nodes}
-        self.checked = time.time()
-
-    def changes(self) -> tuple[list[dict], list[dict]]:
-        """(lost, joined) since the last look."""
-        self.checked = time.time()
-        now = {node["node_id"]: node for node in preflight.node_table()}
-        lost = [node for node_id, node in self.alive.items() if node_id not in now]
-        joined = [node for node_id, node in now.items() if node_id not in self.alive]
-        self.alive = now
-        return lost, joined
-
-
-def _abort_trainer() -> None:
-    """End TorchTrainer.fit() from the watcher thread: kill this job's Ray Train controller, so fit() raises.
-
-    Ray offers no public handle to the controller (it lives inside fit()); its actor table names it.
-    """
-    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    for actor_id, actor in ray._private.state.actors(job_id=job_id).items():
-        if actor["ActorClassName"] == "TrainController" and actor["State"] != "DEAD":
-            ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
-
-
-def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: NodeWatch) -> None:
-    lost, joined = node_watch.changes()
-    for node in lost:
-        ranks = recorder.node_lost(node)
-        on_it = f": rank(s) {', '.join(map(str, ranks))} ran there" if ranks else ""
-        log.error("Lost node %s (%s) from the Ray cluster%s", node["hostname"], node["node_ip"], on_it)
-        if ranks:
-            needed = config.min_workers or config.num_workers
-            log.warning("Ray Train restarts the workers from the latest checkpoint once there is room for %d; "
-                        "waiting up to %ds (--capacity-wait-s)", needed, config.capacity_wait_s)
-    for node in joined:
-        log.info("Node %s (%s) joined the Ray cluster", node["hostname"], node["node_ip"])
-
-
-def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
-    """Why the run gives up after a node loss, and what to do: one line."""
-    lost = "; ".join(f"{n['hostname']} ({n['node_ip']}, rank(s) {', '.join(map(str, n['ranks']))})"
-                     for n in recorder.lost_nodes if n["ranks"])
-    needed = config.min_workers or config.num_workers
-    fits = preflight.most_workers(config, preflight.node_table())
-    hint = "" if config.min_workers or not fits else f", or let it go on with fewer: --min-workers {fits}"
-    return (f"lost node {lost} after {len(recorder.epochs)} epoch(s); room for {needed} worker(s) did not come "
-            f"back within {config.capacity_wait_s}s (the cluster now holds {fits}); the checkpoints are kept: "
-            f"run the same command again when the nodes are back{hint}")
-
-
-def _watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch) -> None:
-    """Drain the monitor until training ends (then once more), watching for a stall and for lost nodes.
-
-    Every few seconds a progress line goes to driver.log (not the console,
-    which gets one row per epoch), so a log shows where a long epoch stands.
-    """
-    last_logged = time.time()
-    while not stop.wait(POLL_INTERVAL_S):
-        try:
-            recorder.consume(ray.get(monitor.drain.remote()))
-            if time.time() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
-                _note_node_changes(config, recorder, node_watch)
-            if recorder.interrupted_at is not None:  # no group to watch: waiting for capacity
-                if time.time() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
-                    recorder.abort_reason = _capacity_verdict(config, recorder)
-                    log.error("Giving up: %s", recorder.abort_reason)
-                    _abort_trainer()
-                continue
-            allowed_s = config.hang_timeout_s if recorder.any_rank_training else max(config.hang_timeout_s,
-                                                                                      STARTUP_GRACE_S)
-            if time.time() - recorder.last_news > allowed_s:
-                _end_stalled_attempt(recorder, allowed_s)
-            if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
-                progress_log.info(line)
-                last_logged = time.time()
-        except Exception:  # the watcher must outlive a bad message: training goes on regardless
-            log.exception("Error while reading worker news (training continues)")
-    recorder.consume(ray.get(monitor.drain.remote()))
-
-
 def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> dict:
     """Import the plug-ins the config names (a typo fails here, in one line); what the workers need to find them.
 
@@ -355,7 +244,7 @@ def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> Fi
     model, data and loss, as --model/--dataset/--loss import paths do on the CLI.
     """
     config.validate()
-    with _stop_on_signals() as stop_signal:
+    with stop_on_signals() as stop_signal:
         return _fit(config, model_fn, dataset_fn, loss_fn, stop_signal)
 
 
@@ -400,64 +289,6 @@ def _choose_start(config: TrainConfig, run_dir: Path, start_state: dict | None) 
         run_checkpoints.seed_new_run(config, start_state)
 
 
-STOP_SIGNALS = {
-    signal.SIGUSR1: "SIGUSR1 (Slurm's warning before the time limit)",
-    signal.SIGTERM: "SIGTERM",
-}
-
-
-@dataclass
-class StopSignal:
-    """The first stop signal of a run, and whether training had already ended by then."""
-
-    reason: str | None = None
-    at: float = 0.0
-    training_over: bool = False
-    monitor: object = None  # the run's RunMonitor, once training is about to start
-
-    def forward_to(self, monitor) -> None:
-        """From now on the workers hear of a stop; one that came during start-up, at once."""
-        self.monitor = monitor
-        if self.reason:
-            monitor.request_stop.remote(self.reason)
-
-
-@contextmanager
-def _stop_on_signals():
-    """From fit()'s start until the summary is written, SIGUSR1/SIGTERM ask every rank to checkpoint
-    at its next step and return (one that comes during start-up: at the first step check).
-
-    A second signal, or one after training ended, is only logged: it must not
-    kill the driver before the summary says where to resume from. Handlers can
-    only be set from the main thread: elsewhere (a notebook thread, a test)
-    signals keep their usual meaning.
-    """
-    stop = StopSignal()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def on_signal(signum, frame):
-        reason = STOP_SIGNALS[signum]
-        if stop.training_over:
-            log.warning("Got %s after training ended: nothing left to stop", reason)
-        elif stop.reason:
-            log.warning("Got %s while already stopping on %s: still waiting for the checkpoint", reason, stop.reason)
-        else:
-            stop.reason, stop.at = reason, time.time()
-            log.warning("Got %s: every rank checkpoints at its next step and stops; "
-                        "run the same command again to resume", reason)
-            if stop.monitor is not None:
-                stop.monitor.request_stop.remote(reason)
-
-    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
-    try:
-        yield stop
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: str | None, nodes: list[dict],
            start_workers: int, started: float, plugins: dict, stop_signal: StopSignal) -> FitResult:
     _describe_start(config, dashboard_url, nodes, start_workers)
@@ -471,7 +302,7 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
         log.info("Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
                  config.name, ", ".join(map(str, sorted(recorder.epochs))))
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(monitor, recorder, stop, config, NodeWatch(nodes)), daemon=True)
+    watcher = threading.Thread(target=watch, args=(monitor, recorder, stop, config, NodeWatch(nodes)), daemon=True)
     watcher.start()
     error, result = None, None
     stop_signal.forward_to(monitor)

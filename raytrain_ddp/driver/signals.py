@@ -1,0 +1,69 @@
+"""SIGUSR1 (Slurm's warning before the time limit) and SIGTERM: stop at a checkpoint, not in the middle."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+log = logging.getLogger("raytrain_ddp")
+
+STOP_SIGNALS = {
+    signal.SIGUSR1: "SIGUSR1 (Slurm's warning before the time limit)",
+    signal.SIGTERM: "SIGTERM",
+}
+
+
+@dataclass
+class StopSignal:
+    """The first stop signal of a run, and whether training had already ended by then."""
+
+    reason: str | None = None
+    at: float = 0.0
+    training_over: bool = False
+    monitor: object = None  # the run's RunMonitor, once training is about to start
+
+    def forward_to(self, monitor) -> None:
+        """From now on the workers hear of a stop; one that came during start-up, at once."""
+        self.monitor = monitor
+        if self.reason:
+            monitor.request_stop.remote(self.reason)
+
+
+@contextmanager
+def stop_on_signals():
+    """From fit()'s start until the summary is written, SIGUSR1/SIGTERM ask every rank to checkpoint
+    at its next step and return (one that comes during start-up: at the first step check).
+
+    A second signal, or one after training ended, is only logged: it must not
+    kill the driver before the summary says where to resume from. Handlers can
+    only be set from the main thread: elsewhere (a notebook thread, a test)
+    signals keep their usual meaning.
+    """
+    stop = StopSignal()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def on_signal(signum, frame):
+        reason = STOP_SIGNALS[signum]
+        if stop.training_over:
+            log.warning("Got %s after training ended: nothing left to stop", reason)
+        elif stop.reason:
+            log.warning("Got %s while already stopping on %s: still waiting for the checkpoint", reason, stop.reason)
+        else:
+            stop.reason, stop.at = reason, time.time()
+            log.warning("Got %s: every rank checkpoints at its next step and stops; "
+                        "run the same command again to resume", reason)
+            if stop.monitor is not None:
+                stop.monitor.request_stop.remote(reason)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

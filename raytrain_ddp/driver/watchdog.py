@@ -1,0 +1,137 @@
+"""The driver's watcher thread: worker news, the hang watchdog, lost nodes.
+
+While ``TorchTrainer.fit()`` blocks the main thread, :func:`watch` drains
+the run monitor into the :class:`RunRecorder` and keeps two deadlines: no
+rank moving for ``--hang-timeout-s`` (name the stuck rank, end it so Ray Train
+restarts from the checkpoint) and, after a node took ranks with it, no room
+for the workers within ``--capacity-wait-s`` (name the node, end the run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.driver import preflight
+from raytrain_ddp.driver.monitor import RunRecorder
+
+log = logging.getLogger("raytrain_ddp")
+progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
+
+POLL_INTERVAL_S = 0.5
+# Before any rank has reported, the wait is start-up (processes, imports, the process
+# group), slow on a busy node: the watchdog allows this long, or --hang-timeout-s if longer.
+STARTUP_GRACE_S = 120
+NODE_CHECK_INTERVAL_S = 2.0
+PROGRESS_LOG_INTERVAL_S = 5.0
+
+
+@ray.remote(num_cpus=0)
+def _kill_process(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
+    """The watchdog's verdict: name the stuck rank, then end it so Ray Train restarts from the checkpoint."""
+    verdict = f"no rank made progress for {hang_timeout_s}s; last seen: {recorder.describe_stall()}"
+    log.error("Watchdog: %s", verdict)
+    recorder.hangs.append(verdict)
+    recorder.last_news = time.time()  # the restarted attempt gets a full timeout of its own
+    worker = recorder.workers.get(recorder.stuck_rank())
+    if worker is None:
+        return
+    log.error("Watchdog: ending rank %d (pid %d on %s); Ray Train restarts the workers from the last checkpoint",
+              worker["rank"], worker["pid"], worker["hostname"])
+    on_its_node = NodeAffinitySchedulingStrategy(worker["node_id"], soft=False)
+    ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
+
+
+class NodeWatch:
+    """The Ray cluster's nodes as the run goes on: which left, which joined."""
+
+    def __init__(self, nodes: list[dict]) -> None:
+        self.alive = {node["node_id"]: node for node in nodes}
+        self.checked = time.time()
+
+    def changes(self) -> tuple[list[dict], list[dict]]:
+        """(lost, joined) since the last look."""
+        self.checked = time.time()
+        now = {node["node_id"]: node for node in preflight.node_table()}
+        lost = [node for node_id, node in self.alive.items() if node_id not in now]
+        joined = [node for node_id, node in now.items() if node_id not in self.alive]
+        self.alive = now
+        return lost, joined
+
+
+def _abort_trainer() -> None:
+    """End TorchTrainer.fit() from the watcher thread: kill this job's Ray Train controller, so fit() raises.
+
+    Ray offers no public handle to the controller (it lives inside fit()); its actor table names it.
+    """
+    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    for actor_id, actor in ray._private.state.actors(job_id=job_id).items():
+        if actor["ActorClassName"] == "TrainController" and actor["State"] != "DEAD":
+            ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+
+
+def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: NodeWatch) -> None:
+    lost, joined = node_watch.changes()
+    for node in lost:
+        ranks = recorder.node_lost(node)
+        on_it = f": rank(s) {', '.join(map(str, ranks))} ran there" if ranks else ""
+        log.error("Lost node %s (%s) from the Ray cluster%s", node["hostname"], node["node_ip"], on_it)
+        if ranks:
+            needed = config.min_workers or config.num_workers
+            log.warning("Ray Train restarts the workers from the latest checkpoint once there is room for %d; "
+                        "waiting up to %ds (--capacity-wait-s)", needed, config.capacity_wait_s)
+    for node in joined:
+        log.info("Node %s (%s) joined the Ray cluster", node["hostname"], node["node_ip"])
+
+
+def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
+    """Why the run gives up after a node loss, and what to do: one line."""
+    lost = "; ".join(f"{n['hostname']} ({n['node_ip']}, rank(s) {', '.join(map(str, n['ranks']))})"
+                     for n in recorder.lost_nodes if n["ranks"])
+    needed = config.min_workers or config.num_workers
+    fits = preflight.most_workers(config, preflight.node_table())
+    hint = "" if config.min_workers or not fits else f", or let it go on with fewer: --min-workers {fits}"
+    return (f"lost node {lost} after {len(recorder.epochs)} epoch(s); room for {needed} worker(s) did not come "
+            f"back within {config.capacity_wait_s}s (the cluster now holds {fits}); the checkpoints are kept: "
+            f"run the same command again when the nodes are back{hint}")
+
+
+def watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch) -> None:
+    """Drain the monitor until training ends (then once more), watching for a stall and for lost nodes.
+
+    Every few seconds a progress line goes to driver.log (not the console,
+    which gets one row per epoch), so a log shows where a long epoch stands.
+    """
+    last_logged = time.time()
+    while not stop.wait(POLL_INTERVAL_S):
+        try:
+            recorder.consume(ray.get(monitor.drain.remote()))
+            if time.time() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
+                _note_node_changes(config, recorder, node_watch)
+            if recorder.interrupted_at is not None:  # no group to watch: waiting for capacity
+                if time.time() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
+                    recorder.abort_reason = _capacity_verdict(config, recorder)
+                    log.error("Giving up: %s", recorder.abort_reason)
+                    _abort_trainer()
+                continue
+            allowed_s = config.hang_timeout_s if recorder.any_rank_training else max(config.hang_timeout_s,
+                                                                                      STARTUP_GRACE_S)
+            if time.time() - recorder.last_news > allowed_s:
+                _end_stalled_attempt(recorder, allowed_s)
+            if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
+                progress_log.info(line)
+                last_logged = time.time()
+        except Exception:  # the watcher must outlive a bad message: training goes on regardless
+            log.exception("Error while reading worker news (training continues)")
+    recorder.consume(ray.get(monitor.drain.remote()))
