@@ -6,13 +6,23 @@ Parquet row groups) and handed out by the project's ShardingDataConfig. Two
 actors of 1 CPU each (the training workers' shape) iterate their shard with
 epoch_batches, as the worker loop does (per epoch: the rank's row groups in
 the seed's order, read + PNG decode + crop/flip + normalise in Ray Data tasks,
-local shuffle buffer), and do nothing else. The local
-Ray gets 2 + DATA_CPUS logical CPUs, so Ray Data has DATA_CPUS for its tasks.
+shuffle window), and do nothing else. The local Ray gets 2 + DATA_CPUS
+logical CPUs, so Ray Data has DATA_CPUS for its tasks. Each consumer records
+every pass (start, end, rows, first batch) and every batch (time, rows), for
+bench.suite's steady-state window.
+
+epoch_batches reads a rank's coming epochs in one Ray Data execution, ahead of
+the consumer. Before the recorded passes each consumer reads one warm-up pass
+with a stream of its own that ends there: it starts Ray Data's worker
+processes (what a DataLoader's first pass does for plain), and whatever their
+uneven start lets a stream read ahead is left behind with it, not carried
+into the recorded passes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -26,15 +36,18 @@ CONSUMERS = 2
 
 @ray.remote(num_cpus=1)
 class Consumer:
-    def run(self, shard, config: TrainConfig, epochs: int) -> list[tuple[float, float, int, float]]:
-        out = []
+    def run(self, shard, config: TrainConfig, epochs: int) -> dict:
+        for _ in epoch_batches(dataclasses.replace(shard), dataclasses.replace(config, epochs=1), 1, "cpu"):
+            pass
+        passes, batches = [], []
         for epoch in range(1, epochs + 1):
             started, rows, first = time.time(), 0, None
             for batch in epoch_batches(shard, config, epoch, "cpu"):
                 rows += len(batch["y"])
-                first = first or time.time()
-            out.append((started, time.time(), rows, first))
-        return out
+                batches.append((time.time(), len(batch["y"])))
+                first = first or batches[-1][0]
+            passes.append((started, time.time(), rows, first))
+        return {"passes": passes, "batches": batches}
 
 
 def main() -> None:
@@ -51,7 +64,7 @@ def main() -> None:
              runtime_env={"env_vars": {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}})
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
-        config = TrainConfig(data=args.data, batch_size=args.batch_size)
+        config = TrainConfig(data=args.data, batch_size=args.batch_size, epochs=args.epochs)
         plan = plan_data(config)
         datasets = build_datasets(config, plan)
         shards = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=CONSUMERS,
@@ -62,9 +75,8 @@ def main() -> None:
                                 for i, c in enumerate(consumers)])
     finally:
         ray.shutdown()
-    epochs = [[per_consumer[c][e] for c in range(CONSUMERS)] for e in range(args.epochs)]
     with open(args.out, "w") as f:
-        json.dump({"epochs": epochs}, f)
+        json.dump({"consumers": per_consumer}, f)
 
 
 if __name__ == "__main__":
