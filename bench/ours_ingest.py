@@ -16,7 +16,7 @@ the consumer. Before the recorded passes each consumer reads one warm-up pass
 with a stream of its own that ends there: it starts Ray Data's worker
 processes (what a DataLoader's first pass does for plain), and whatever their
 uneven start lets a stream read ahead is left behind with it, not carried
-into the recorded passes.
+into the recorded passes. Both consumers then start pass 1 together.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ CONSUMERS = 2
 
 @ray.remote(num_cpus=1)
 class Consumer:
-    def run(self, shard, config: TrainConfig, epochs: int) -> dict:
+    def warm_up(self, shard, config: TrainConfig) -> None:
         for _ in epoch_batches(dataclasses.replace(shard), dataclasses.replace(config, epochs=1), 1, "cpu"):
             pass
+
+    def run(self, shard, config: TrainConfig, epochs: int) -> dict:
         passes, batches = [], []
         for epoch in range(1, epochs + 1):
             started, rows, first = time.time(), 0, None
@@ -70,7 +72,7 @@ def main() -> None:
         shards = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=CONSUMERS,
                                                 worker_handles=None, worker_node_ids=None)
         consumers = [Consumer.remote() for _ in range(CONSUMERS)]
-        ray.get([c.__ray_ready__.remote() for c in consumers])
+        ray.get([c.warm_up.remote(shards[i]["train"], config) for i, c in enumerate(consumers)])
         per_consumer = ray.get([c.run.remote(shards[i]["train"], config, args.epochs)
                                 for i, c in enumerate(consumers)])
     finally:
