@@ -4,7 +4,10 @@ Each of the 2 processes reads the same Parquet files into memory (encoded)
 and iterates a DataLoader over DistributedSampler(shuffle=True) batches, with
 LOADER_WORKERS CPU worker processes, decoding PNG and augmenting/normalising
 with the project's own transform (to_model_inputs -> decode_images), the same
-per-row work as ours. No process group: nothing but loading runs.
+per-row work as ours. A gloo process group only lines the ranks up before
+pass 1 (torchrun starts them up to a second apart); nothing but loading runs
+after it. Each rank records every pass (start, end, rows, first batch) and
+every batch (time, rows), as bench/ours_ingest.py does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import bench_path  # noqa: F401  (repo root on sys.path)
 from plain_ddp import ParquetImages
 
 import pyarrow.parquet as pq
+import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from raytrain_ddp.config import TrainConfig
@@ -41,16 +45,20 @@ def main() -> None:
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, sampler=BatchSampler(sampler, args.batch_size, drop_last=False), batch_size=None,
                         num_workers=args.loader_workers, persistent_workers=args.loader_workers > 0)
-    epochs = []
+    dist.init_process_group("gloo")
+    dist.barrier()
+    passes, batches = [], []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         started, rows, first = time.time(), 0, None
         for x, y in loader:
             rows += len(y)
-            first = first or time.time()
-        epochs.append((started, time.time(), rows, first))
+            batches.append((time.time(), len(y)))
+            first = first or batches[-1][0]
+        passes.append((started, time.time(), rows, first))
     with open(f"{args.out}.{rank}.json", "w") as f:
-        json.dump({"epochs": epochs}, f)
+        json.dump({"passes": passes, "batches": batches}, f)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -116,6 +116,35 @@ def test_epoch_order_does_not_depend_on_what_ran_before(ray_address, tabular_dat
     assert not set(expected[0]) & set(expected[1])
 
 
+def test_shuffle_window_depends_on_row_order_not_on_blocks():
+    """Every row once, full batches but the last, and the same batches however the stream is cut into blocks
+    (Ray Data's block sizes are not part of an epoch's order)."""
+    from raytrain_ddp.data.pipeline import _window_shuffled
+
+    rows = {"id": np.arange(1000), "x": np.arange(1000, dtype=np.float32)[:, None] * [1, 2], "y": np.arange(1000) % 10}
+
+    def reader(cuts: list[int]):
+        blocks = [{name: values[a:b] for name, values in rows.items()} for a, b in zip([0, *cuts], [*cuts, 1000])]
+        pending = {name: values[:0] for name, values in rows.items()}
+
+        def read(n: int) -> dict:  # what _TrainStream.read hands out: n rows, fewer at the end
+            nonlocal pending
+            while len(pending["id"]) < n and blocks:
+                pending = {name: np.concatenate([pending[name], blocks[0][name]]) for name in rows}
+                blocks.pop(0)
+            taken, pending = ({name: v[:n] for name, v in pending.items()}, {name: v[n:] for name, v in pending.items()})
+            return taken
+        return read
+
+    batches = list(_window_shuffled(reader([100, 350, 999]), 64, 256, seed=7))
+    assert [len(b["id"]) for b in batches] == [64] * 15 + [40]
+    ids = np.concatenate([b["id"] for b in batches])
+    assert sorted(ids) == list(range(1000)) and not np.array_equal(ids, np.arange(1000))
+    assert all(np.array_equal(b["x"][:, 1], 2 * b["id"]) for b in batches)  # rows kept whole
+    again = np.concatenate([b["id"] for b in _window_shuffled(reader([1, 2, 500]), 64, 256, seed=7)])
+    assert np.array_equal(ids, again)
+
+
 def _image_folder(root: Path, per_class: int = 60) -> Path:
     """4 classes of 16x16 PNGs, each class its own dominant colour under noise."""
     rng = np.random.default_rng(0)

@@ -16,15 +16,26 @@ epoch number), DistributedSampler-style over units:
   steps: DDP never waits on an all-reduce one rank does not join), and they
   cover every row but the last ``rows % world_size`` (fewer than world_size;
   which ones changes per epoch), with a new split of rows between ranks;
-* each rank reads its units in that order, in parallel Ray Data tasks, and
-  mixes their rows in a local shuffle buffer of ``SHUFFLE_BUFFER_ROWS`` rows
-  seeded from ``(seed, epoch, rank)``.
+* each rank reads its units in that order, in parallel Ray Data tasks (a
+  small row group shares a task with its neighbour), and mixes their rows in
+  a shuffle window of ``SHUFFLE_BUFFER_ROWS`` rows seeded from
+  ``(seed, epoch, rank)``: each batch takes random rows of the window, and the
+  next rows read take their places (:func:`_window_shuffled`, which depends on
+  the rows' order only, not on how Ray Data cuts them into blocks);
+* since every epoch's pieces are known up front, one Ray Data execution per
+  rank reads all the epochs still to come (:class:`_TrainStream`, kept on the
+  rank's :class:`TrainShard`): Ray Data starts once per run, not once per
+  epoch, and decodes the start of epoch E + 1 while epoch E is being trained
+  on, within its usual backpressure. Images cross the object store as uint8
+  and are normalised where the batch is used (on the GPU when there is one).
 
 The order of epoch E is therefore a function of ``(seed, E, world_size)``
 only: a second run with the same seed repeats the first, and a run resumed at
 epoch E (driver restarted, or Ray Train restarting the worker group) sees what
-the uninterrupted run saw. No all-to-all shuffle runs, so the first batch of an
-epoch waits for one unit, not for the whole training set.
+the uninterrupted run saw (a rank that asks for another epoch than the
+stream's next one, or left an epoch half read, gets a new stream starting
+there). No all-to-all shuffle runs, so the first batch of an epoch waits for
+one window of rows, not for the whole training set.
 
 Shuffle quality, against a global row shuffle: a batch draws its rows from the
 ``SHUFFLE_BUFFER_ROWS``-row window of a few units that are neighbours in the
@@ -46,7 +57,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -68,6 +79,8 @@ log = logging.getLogger("raytrain_ddp")
 ROWS_PER_CHUNK = 1024  # built-in rows per cached chunk (a unit)
 TRANSFORM_ROWS = 256  # rows decoded at a time: bounds the decode buffers of a large row group
 SHUFFLE_BUFFER_ROWS = 1024  # a rank's local shuffle window: rows of neighbouring units mixed together
+MIN_TASK_ROWS = 256  # train pieces grouped into Ray Data tasks of at least this many rows
+MAX_STREAM_PIECES = 10_000  # train pieces one Ray Data execution reads at most (epochs past that: a new one)
 CROP_PADDING = 4  # pixels of reflection padding before the random crop
 
 
@@ -102,11 +115,14 @@ def augment_images(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
-def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: int | None = None) -> dict[str, np.ndarray]:
+def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: int | None = None,
+                    normalise: bool = True) -> dict[str, np.ndarray]:
     """Rows as stored -> ``{"id", "x", "y"}`` as the model takes them.
 
     `augment_seed` (train only) turns on random crop and flip, drawn from the
     seed and the batch's first id, so an epoch's augmentation is reproducible.
+    `normalise=False` leaves images as uint8 pixels (a quarter of the bytes
+    to move) for :func:`normalise_images` to finish where the batch is used.
     """
     if spec.kind == "tokens":  # predict every next token: inputs are the sequence, targets it shifted by one
         tokens = rows["tokens"]
@@ -118,6 +134,9 @@ def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: i
         if augment_seed is not None and len(images):
             rng = np.random.default_rng([augment_seed, int(rows["id"][0]) if "id" in rows else 0])
             images = augment_images(images, rng)
+        if not normalise:
+            return {"id": rows["id"].astype(np.int64) if "id" in rows else np.full(len(images), -1),
+                    "x": images, "y": rows[spec.label_column].astype(np.int64)}
         scale = np.asarray(spec.std, dtype=np.float32).reshape(1, -1, 1, 1)
         shift = np.asarray(spec.mean, dtype=np.float32).reshape(1, -1, 1, 1)
         x = (images.astype(np.float32) / 255.0 - shift) / scale
@@ -128,6 +147,13 @@ def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: i
     labels = rows[spec.label_column]
     ids = rows["id"] if "id" in rows else np.full(len(labels), -1)
     return {"id": ids.astype(np.int64), "x": x, "y": labels.astype(np.int64)}
+
+
+def normalise_images(pixels: torch.Tensor, spec: DataSpec) -> torch.Tensor:
+    """uint8 NCHW pixels -> the model's float inputs: what to_model_inputs does, in torch (on any device)."""
+    shift = torch.tensor(spec.mean, dtype=torch.float32, device=pixels.device).reshape(1, -1, 1, 1)
+    scale = torch.tensor(spec.std, dtype=torch.float32, device=pixels.device).reshape(1, -1, 1, 1)
+    return (pixels.to(torch.float32) / 255.0 - shift) / scale
 
 
 # ---------------------------------------------------------------- data specs
@@ -260,26 +286,30 @@ def _read_piece(source: SplitSource, unit: int, start: int, stop: int) -> dict[s
     return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 
 
-def _piece_inputs(batch: dict[str, np.ndarray], source: SplitSource, pieces: list[tuple[int, int, int]],
-                  augment_seed: int | None) -> Iterator[dict[str, np.ndarray]]:
-    """map_batches over piece numbers: one piece's model inputs, transformed a slice at a time."""
-    rows = _read_piece(source, *pieces[int(batch["id"][0])])
-    if source.chunks:
-        yield rows
-        return
-    for at in range(0, len(rows[source.spec.label_column]), TRANSFORM_ROWS):
-        yield to_model_inputs({name: values[at:at + TRANSFORM_ROWS] for name, values in rows.items()},
-                              source.spec, augment_seed)
+# A piece of a task: rows [start, stop) of a unit, and the augmentation seed of its epoch (None: no augmentation).
+TaskPiece = tuple[int, int, int, int | None]
 
 
-def _pieces_dataset(source: SplitSource, pieces: list[tuple[int, int, int]],
-                    augment_seed: int | None = None) -> ray.data.Dataset:
-    """A Dataset of the given (unit, start, stop) pieces' model inputs, one Ray Data task per piece."""
+def _task_inputs(batch: dict[str, np.ndarray], source: SplitSource, tasks: list[list[TaskPiece]],
+                 normalise: bool) -> Iterator[dict[str, np.ndarray]]:
+    """map_batches over task numbers: the task's pieces' model inputs, in order, transformed a slice at a time."""
+    for unit, start, stop, augment_seed in tasks[int(batch["id"][0])]:
+        rows = _read_piece(source, unit, start, stop)
+        if source.chunks:  # model inputs already
+            yield rows
+            continue
+        for at in range(0, stop - start, TRANSFORM_ROWS):
+            yield to_model_inputs({name: values[at:at + TRANSFORM_ROWS] for name, values in rows.items()},
+                                  source.spec, augment_seed, normalise)
+
+
+def _tasks_dataset(source: SplitSource, tasks: list[list[TaskPiece]], normalise: bool = True) -> ray.data.Dataset:
+    """A Dataset of the tasks' model inputs, one Ray Data task per task, in task order (with preserve_order)."""
     # from_items, not range: its blocks are made here, so each task reads and transforms in one go
-    numbers = [{"id": number} for number in range(len(pieces))]
-    return ray.data.from_items(numbers, override_num_blocks=max(1, len(pieces))).map_batches(
-        _piece_inputs, batch_size=1, batch_format="numpy",
-        fn_kwargs={"source": source, "pieces": pieces, "augment_seed": augment_seed})
+    numbers = [{"id": number} for number in range(len(tasks))]
+    return ray.data.from_items(numbers, override_num_blocks=max(1, len(tasks))).map_batches(
+        _task_inputs, batch_size=1, batch_format="numpy",
+        fn_kwargs={"source": source, "tasks": tasks, "normalise": normalise})
 
 
 def _pieces(unit_rows: Sequence[int], order: Iterable[int], first: int, last: int) -> list[tuple[int, int, int]]:
@@ -308,14 +338,128 @@ def val_pieces(unit_rows: Sequence[int], rank: int, world_size: int) -> list[tup
     return _pieces(unit_rows, range(len(unit_rows)), rank * rows // world_size, (rank + 1) * rows // world_size)
 
 
-@dataclass(frozen=True)
+def _group_pieces(pieces: Iterable[TaskPiece]) -> list[list[TaskPiece]]:
+    """Consecutive pieces in tasks of at least MIN_TASK_ROWS rows (the last may have fewer): a small row
+    group rides with its neighbour instead of costing a task start of its own."""
+    tasks: list[list[TaskPiece]] = [[]]
+    for piece in pieces:
+        if sum(stop - start for _, start, stop, _ in tasks[-1]) >= MIN_TASK_ROWS:
+            tasks.append([])
+        tasks[-1].append(piece)
+    return [task for task in tasks if task]
+
+
+class _TrainStream:
+    """One rank's train rows of epochs [first, last], in order, from one Ray Data execution.
+
+    Every epoch's pieces are known up front (a function of the seed, the
+    epoch, the rank and the world size), so one execution reads them all:
+    Ray Data starts once, not once per epoch, and decodes the start of epoch
+    E + 1 while epoch E is still being consumed (within its usual backpressure).
+    """
+
+    def __init__(self, shard: TrainShard, config: TrainConfig, first: int) -> None:
+        source = shard.source
+        self.rows_per_epoch = sum(source.unit_rows) // shard.world_size
+        pieces: list[TaskPiece] = []
+        self.last = first
+        for epoch in range(first, max(first, config.epochs) + 1):
+            if pieces and len(pieces) + len(source.unit_rows) > MAX_STREAM_PIECES:
+                break  # the rest in a later stream: the task list stays small
+            augment_seed = _seed_of(config.seed, epoch) if source.augments else None
+            pieces += [(*piece, augment_seed) for piece in
+                       epoch_pieces(source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)]
+            self.last = epoch
+        # images cross the object store as uint8 and are normalised by the consumer (_to_torch)
+        dataset = _tasks_dataset(source, _group_pieces(pieces), normalise=False)
+        dataset.context.execution_options = shard.execution_options
+        self._blocks = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
+        self._block: dict[str, np.ndarray] = {}
+        self._offset = 0
+        self.next_epoch: int | None = first  # None while an epoch is being read (or was left half read)
+
+    def read(self, rows: int) -> dict[str, np.ndarray]:
+        """The next `rows` rows of the stream (fewer only where it ends), cut from its blocks."""
+        parts = []
+        while rows > 0:
+            if self._offset == len(self._block.get("y", ())):
+                self._block, self._offset = next(self._blocks, None), 0
+                if self._block is None:
+                    self._block = {}
+                    break
+                continue
+            taken = min(rows, len(self._block["y"]) - self._offset)
+            parts.append({name: values[self._offset:self._offset + taken] for name, values in self._block.items()})
+            self._offset += taken
+            rows -= taken
+        if len(parts) == 1:
+            return parts[0]
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]} if parts else {}
+
+    def epoch(self, epoch: int, batch_size: int, shuffle_seed: int) -> Iterator[dict[str, np.ndarray]]:
+        """Epoch `epoch`'s rows (the next rows_per_epoch of the stream), shuffled in a window; marks the
+        stream ready for epoch + 1 once all of them were read."""
+        left = self.rows_per_epoch
+
+        def read(rows: int) -> dict[str, np.ndarray]:
+            nonlocal left
+            part = self.read(min(rows, left))
+            left -= len(part.get("y", ()))
+            return part
+
+        yield from _window_shuffled(read, batch_size, SHUFFLE_BUFFER_ROWS, shuffle_seed)
+        if epoch < self.last:
+            self.next_epoch = epoch + 1
+        else:
+            self.close()
+
+    def close(self) -> None:
+        close = getattr(self._blocks, "close", None)
+        if close:
+            close()  # stops the execution behind it
+
+
+def _window_shuffled(read, batch_size: int, window: int, seed: int) -> Iterator[dict[str, np.ndarray]]:
+    """The rows that `read(n)` hands out (n at a time, fewer at the end) in batches drawn from a window of
+    `window` rows: each batch takes random rows of the window, and the next rows read take their places.
+    A function of the rows' order and the seed only, not of how the stream cuts them into blocks."""
+    rng = np.random.default_rng(seed)
+    buffer = {name: np.array(values) for name, values in read(window).items()}  # writable: slots are refilled
+    size = len(buffer.get("y", ()))
+    while size:
+        incoming = read(batch_size)
+        arrived = len(incoming.get("y", ()))
+        if not arrived:
+            break
+        slots = rng.choice(size, min(batch_size, size), replace=False)
+        yield {name: values[slots] for name, values in buffer.items()}
+        for name, values in buffer.items():
+            values[slots[:arrived]] = incoming[name]
+        if arrived < len(slots):  # the stream ended: drop the slots nothing refilled
+            keep = np.ones(size, dtype=bool)
+            keep[slots[arrived:]] = False
+            buffer, size = {name: values[keep] for name, values in buffer.items()}, int(keep.sum())
+            break
+    order = rng.permutation(size)
+    for at in range(0, size, batch_size):
+        yield {name: values[order[at:at + batch_size]] for name, values in buffer.items()}
+
+
+@dataclass
 class TrainShard:
-    """What Ray Train hands each rank for "train": the split's layout and the rank; the rows come per epoch."""
+    """What Ray Train hands each rank for "train": the split's layout and the rank; the rows come per epoch.
+
+    `stream` is the rank's reader of the coming epochs, made on first use in the worker (never pickled).
+    """
 
     source: SplitSource
     rank: int
     world_size: int
     execution_options: ExecutionOptions
+    stream: _TrainStream | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "stream": None}
 
 
 def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) -> Iterable[dict]:
@@ -326,11 +470,20 @@ def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) ->
     shuffle_seed = _seed_of(config.seed, epoch, shard.rank)
     if shard.source.chunks:
         return _in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed, device)
-    augment_seed = _seed_of(config.seed, epoch) if shard.source.augments else None
-    dataset = _pieces_dataset(shard.source, pieces, augment_seed)
-    dataset.context.execution_options = shard.execution_options
-    return dataset.iter_torch_batches(batch_size=config.batch_size, device=device,
-                                      local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS, local_shuffle_seed=shuffle_seed)
+    if shard.stream is None or shard.stream.next_epoch != epoch:  # first epoch, a jump, or one left half read
+        if shard.stream is not None:
+            shard.stream.close()
+        shard.stream = _TrainStream(shard, config, epoch)
+    shard.stream.next_epoch = None
+    return _to_torch(shard.stream.epoch(epoch, config.batch_size, shuffle_seed), shard.source.spec, device)
+
+
+def _to_torch(batches: Iterable[dict[str, np.ndarray]], spec: DataSpec, device) -> Iterator[dict]:
+    for batch in batches:
+        batch = {name: torch.from_numpy(values).to(device) for name, values in batch.items()}
+        if batch["x"].dtype == torch.uint8:  # images, normalised here (on the GPU when there is one)
+            batch["x"] = normalise_images(batch["x"], spec)
+        yield batch
 
 
 def _in_memory_batches(source: SplitSource, pieces: list[tuple[int, int, int]], batch_size: int,
@@ -410,7 +563,8 @@ class ShardingDataConfig(DataConfig):
                 if name == "train":
                     shards[rank][name] = TrainShard(source, rank, world_size, options)
                 else:
-                    dataset = _pieces_dataset(source, val_pieces(source.unit_rows, rank, world_size))
+                    pieces = val_pieces(source.unit_rows, rank, world_size)
+                    dataset = _tasks_dataset(source, [[(*piece, None)] for piece in pieces])
                     dataset.context.execution_options = options
                     shards[rank][name] = dataset.iterator()
         return shards
