@@ -12,6 +12,7 @@ import sys
 from dataclasses import MISSING, fields
 
 from raytrain_ddp.config import TrainConfig, _field_type, load_toml
+from raytrain_ddp.driver.signals import hold_early_stop_signals
 from raytrain_ddp.errors import ConfigError
 
 EXAMPLES = """\
@@ -71,6 +72,7 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_early_stop_signals()  # before torch and Ray import: a Slurm USR1 then must not kill us
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         config = config_from_args(argv).validate()

@@ -17,6 +17,15 @@ STOP_SIGNALS = {
 }
 
 
+_early: list[int] = []  # stop signals that came before fit() took over: while the CLI imported torch and Ray
+
+
+def hold_early_stop_signals() -> None:
+    """The CLI's first step: a stop signal while torch and Ray import is kept for fit(), not fatal."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: _early.append(signum))
+
+
 @dataclass
 class StopSignal:
     """The first stop signal of a run, and whether training had already ended by then."""
@@ -62,6 +71,9 @@ def stop_on_signals():
                 stop.monitor.request_stop.remote(reason)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    if _early:
+        on_signal(_early[0], None)
+        _early.clear()
     try:
         yield stop
     finally:
