@@ -103,7 +103,16 @@ class TrainConfig:
     @property
     def global_batch_size(self) -> int:
         """What one optimizer step really trains with: every micro-batch of every worker, averaged."""
-        return self.batch_size * self.grad_accum * self.num_workers
+        return self.global_batch_for(self.num_workers)
+
+    def global_batch_for(self, workers: int) -> int:
+        """The global batch with this many workers (an elastic run's world size changes)."""
+        return self.batch_size * self.grad_accum * workers
+
+    @property
+    def fewest_workers(self) -> int:
+        """The workers a run cannot go below: --min-workers (elastic), else --num-workers."""
+        return self.min_workers or self.num_workers
 
     @property
     def effective_lr(self) -> float:

@@ -466,10 +466,11 @@ def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) ->
     """This rank's torch batches of `epoch` (counted from 1): a function of (seed, epoch, rank, world size)."""
     if not isinstance(shard, TrainShard):  # a plug-in's dataset, already split (and reshuffled) by Ray Data
         return shard.iter_torch_batches(batch_size=config.batch_size, device=device)
-    pieces = epoch_pieces(shard.source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
     shuffle_seed = _seed_of(config.seed, epoch, shard.rank)
     if shard.source.chunks:
-        return _in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed, device)
+        pieces = epoch_pieces(shard.source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
+        return _to_torch(_in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed),
+                         shard.source.spec, device)
     if shard.stream is None or shard.stream.next_epoch != epoch:  # first epoch, a jump, or one left half read
         if shard.stream is not None:
             shard.stream.close()
@@ -487,7 +488,7 @@ def _to_torch(batches: Iterable[dict[str, np.ndarray]], spec: DataSpec, device) 
 
 
 def _in_memory_batches(source: SplitSource, pieces: list[tuple[int, int, int]], batch_size: int,
-                       shuffle_seed: int, device) -> Iterator[dict]:
+                       shuffle_seed: int) -> Iterator[dict[str, np.ndarray]]:
     """Built-in rows are model inputs already: the rank takes its pieces from the object store, in this
     process (no Ray Data tasks, nothing to decode), and shuffles all of them."""
     parts = [_read_piece(source, *piece) for piece in pieces]
@@ -495,7 +496,7 @@ def _in_memory_batches(source: SplitSource, pieces: list[tuple[int, int, int]], 
     order = np.random.default_rng(shuffle_seed).permutation(len(rows["y"]))
     for at in range(0, len(order), batch_size):
         taken = order[at:at + batch_size]
-        yield {name: torch.from_numpy(values[taken]).to(device) for name, values in rows.items()}
+        yield {name: values[taken] for name, values in rows.items()}
 
 
 def _built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> SplitSource:

@@ -131,7 +131,7 @@ def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[
                     workers, config.num_workers, workers, config.min_workers)
     accumulation = f" x {config.grad_accum} micro-batches" if config.grad_accum > 1 else ""
     log.info("Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
-             config.batch_size, accumulation, workers, config.batch_size * config.grad_accum * workers)
+             config.batch_size, accumulation, workers, config.global_batch_for(workers))
     if config.scale_lr:
         log.info("Learning rate scaled linearly with the global batch: %g x %d = %g", config.lr,
                  config.num_workers * config.grad_accum, config.effective_lr)
@@ -390,7 +390,7 @@ def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | No
         "epochs_requested": config.epochs,
         "world_size": recorder.world_size,  # of the last attempt: elastic runs (--min-workers) may shrink
         "per_worker_batch_size": config.batch_size,
-        "global_batch_size": config.batch_size * config.grad_accum * recorder.world_size,
+        "global_batch_size": config.global_batch_for(recorder.world_size),
         "workers": [recorder.workers[rank] for rank in sorted(recorder.workers)],
         "restarts": recorder.restarts,
         "hangs": recorder.hangs,

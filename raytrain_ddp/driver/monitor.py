@@ -98,7 +98,8 @@ class RunRecorder:
 
     def __init__(self, run_dir: Path, config: TrainConfig, train_rows: int, world_size: int, sinks: list) -> None:
         self.run_dir = run_dir
-        self.batch_size, self.grad_accum, self.total_epochs = config.batch_size, config.grad_accum, config.epochs
+        self.config = config
+        self.total_epochs = config.epochs
         self.train_rows = train_rows
         self.world_size = world_size  # of the current attempt: elastic runs (--min-workers) change it
         self._rate_epoch, self._rate_start = 0, (0.0, 0)
@@ -120,7 +121,7 @@ class RunRecorder:
     @property
     def steps_per_epoch(self) -> int:
         """Micro-batches per rank per epoch, at the current world size."""
-        return math.ceil(self.train_rows // self.world_size / self.batch_size)
+        return math.ceil(self.train_rows // self.world_size / self.config.batch_size)
 
     def _read_earlier_epochs(self) -> dict[int, dict]:
         """A resumed run keeps the epochs it already recorded."""
@@ -164,9 +165,9 @@ class RunRecorder:
         if self.starts_of_rank0 > 1:
             log.warning("Ray Train restarted the workers from the latest checkpoint (restart %d)", self.restarts)
         if world_size != self.world_size:
-            batch = self.batch_size * self.grad_accum
             log.warning("Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d",
-                        world_size, self.world_size, batch, world_size, batch * world_size)
+                        world_size, self.world_size, self.config.global_batch_for(1), world_size,
+                        self.config.global_batch_for(world_size))
             self.world_size = world_size
             self.workers = {rank: info for rank, info in self.workers.items() if rank < world_size}
             self._progress = {rank: p for rank, p in self._progress.items() if rank < world_size}
@@ -203,7 +204,7 @@ class RunRecorder:
             "val_accuracy_per_rank": [m["val_accuracy"] for m in ranks],
             "val_identical_across_ranks": len(val) == 1,
             "world_size": len(ranks),
-            "global_batch_size": self.batch_size * self.grad_accum * len(ranks),
+            "global_batch_size": self.config.global_batch_for(len(ranks)),
             "samples_per_second": sum(samples) / seconds,
             "samples_per_rank": samples,
             "steps_per_rank": [m["steps"] for m in ranks],

@@ -80,7 +80,7 @@ def check_fits(config: TrainConfig, nodes: list[dict]) -> int:
     That is --num-workers, or with --min-workers (elastic) as many as fit, at least that many.
     """
     shape = f"{config.cpus_per_worker:g} CPU" + (" + 1 GPU" if config.use_gpu else "")
-    needed = config.min_workers or config.num_workers
+    needed = config.fewest_workers
     asked = f"asked for {'at least ' if config.min_workers else ''}{needed} workers x {shape}"
     if config.use_gpu and not any(n["gpus"] for n in nodes):
         raise ConfigError(f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU")

@@ -88,9 +88,8 @@ def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: N
         on_it = f": rank(s) {', '.join(map(str, ranks))} ran there" if ranks else ""
         log.error("Lost node %s (%s) from the Ray cluster%s", node["hostname"], node["node_ip"], on_it)
         if ranks:
-            needed = config.min_workers or config.num_workers
             log.warning("Ray Train restarts the workers from the latest checkpoint once there is room for %d; "
-                        "waiting up to %ds (--capacity-wait-s)", needed, config.capacity_wait_s)
+                        "waiting up to %ds (--capacity-wait-s)", config.fewest_workers, config.capacity_wait_s)
     for node in joined:
         log.info("Node %s (%s) joined the Ray cluster", node["hostname"], node["node_ip"])
 
@@ -99,10 +98,9 @@ def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
     """Why the run gives up after a node loss, and what to do: one line."""
     lost = "; ".join(f"{n['hostname']} ({n['node_ip']}, rank(s) {', '.join(map(str, n['ranks']))})"
                      for n in recorder.lost_nodes if n["ranks"])
-    needed = config.min_workers or config.num_workers
     fits = preflight.most_workers(config, preflight.node_table())
     hint = "" if config.min_workers or not fits else f", or let it go on with fewer: --min-workers {fits}"
-    return (f"lost node {lost} after {len(recorder.epochs)} epoch(s); room for {needed} worker(s) did not come "
+    return (f"lost node {lost} after {len(recorder.epochs)} epoch(s); room for {config.fewest_workers} worker(s) did not come "
             f"back within {config.capacity_wait_s}s (the cluster now holds {fits}); the checkpoints are kept: "
             f"run the same command again when the nodes are back{hint}")
 
