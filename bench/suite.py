@@ -21,7 +21,10 @@ Figures (each: median and min..max over the repeats; ratios are taken per round)
    last step of each epoch (epoch boundaries left out on both sides);
 2. time to first step: from launching the command to the end of rank 0's
    first optimizer step, the same event on both sides;
-3. ingest images/s to 2 consumers from the PNG Parquet files: the project's
+3. ingest images/s to 2 consumers from PNG Parquet files of their own,
+   `ingest_rows` training rows (larger than the training figures' files, so
+   that a rank's pass is several Ray Data tasks long and the window does not
+   hinge on when one task's output lands): the project's
    Ray Data pipeline (build_datasets + ShardingDataConfig) versus DataLoader +
    DistributedSampler, same number of loader CPUs, in the steady state: each
    side makes `ingest_epochs` passes, and the rate is the rows delivered
@@ -73,12 +76,15 @@ class Sizes:
     epochs: int
     batch_size: int
     repeats: int
+    ingest_rows: int  # training rows of the ingest figure's own Parquet files (an epoch many tasks long)
     ingest_epochs: int
     loader_cpus: int  # loader CPUs for ingest (Ray Data's logical CPUs / DataLoader workers, in total)
 
 
-QUICK = Sizes(train_size=2048, val_size=128, epochs=2, batch_size=64, repeats=1, ingest_epochs=5, loader_cpus=2)
-FULL = Sizes(train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_epochs=6, loader_cpus=2)
+QUICK = Sizes(train_size=2048, val_size=128, epochs=2, batch_size=64, repeats=1, ingest_rows=8192, ingest_epochs=5,
+              loader_cpus=2)
+FULL = Sizes(train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_rows=32768, ingest_epochs=8,
+             loader_cpus=2)
 
 
 # ----------------------------------------------------------------- processes
@@ -117,22 +123,24 @@ class Bench:
     def __init__(self, sizes: Sizes, work: Path):
         self.sizes, self.work, self.count = sizes, work, 0
         self.parquet_dir = work / "parquet"
+        self.ingest_dir = work / "parquet-ingest"
 
     def _next(self, label: str) -> Path:
         self.count += 1
         return self.work / f"{self.count:02d}-{label}"
 
     def prepare_parquet(self) -> None:
-        """The Parquet files both contenders read: the synthetic images, PNG-encoded."""
+        """The Parquet files both contenders read (the synthetic images, PNG-encoded): one set for training,
+        a larger one for ingest, whose passes are long against one Ray Data task (about 4,000 rows here)."""
         import numpy as np
 
         from raytrain_ddp.data import synthetic
         from raytrain_ddp.data.prepare import from_arrays
 
-        rows = synthetic.image_rows(np.arange(round(self.sizes.train_size / 0.9)), seed=0)
-        from_arrays(rows["image"], rows["label"], [str(c) for c in range(synthetic.NUM_CLASSES)],
-                    str(self.parquet_dir), val_fraction=0.1, seed=0, layout="NCHW", encoding="png",
-                    rows_per_file=1024)
+        for out, train_rows in ((self.parquet_dir, self.sizes.train_size), (self.ingest_dir, self.sizes.ingest_rows)):
+            rows = synthetic.image_rows(np.arange(round(train_rows / 0.9)), seed=0)
+            from_arrays(rows["image"], rows["label"], [str(c) for c in range(synthetic.NUM_CLASSES)],
+                        str(out), val_fraction=0.1, seed=0, layout="NCHW", encoding="png", rows_per_file=1024)
 
     def ours_train(self, workers: int, data: str) -> dict:
         s = self.sizes
@@ -171,7 +179,7 @@ class Bench:
         s = self.sizes
         base = self._next("ours-ingest")
         out = base.with_suffix(".json")
-        _run([PY, "-m", "bench.ours_ingest", "--data", str(self.parquet_dir), "--epochs", str(s.ingest_epochs),
+        _run([PY, "-m", "bench.ours_ingest", "--data", str(self.ingest_dir), "--epochs", str(s.ingest_epochs),
               "--batch-size", str(s.batch_size), "--data-cpus", str(s.loader_cpus), "--out", str(out)],
              base.with_suffix(".log"))
         return _ingest_rate(json.loads(out.read_text())["consumers"])
@@ -179,7 +187,7 @@ class Bench:
     def plain_ingest(self) -> dict:
         s = self.sizes
         base = self._next("plain-ingest")
-        _run([*_torchrun(2), "bench/plain_ingest.py", "--data", str(self.parquet_dir), "--epochs",
+        _run([*_torchrun(2), "bench/plain_ingest.py", "--data", str(self.ingest_dir), "--epochs",
               str(s.ingest_epochs), "--batch-size", str(s.batch_size),
               "--loader-workers", str(max(1, s.loader_cpus // 2)), "--out", str(base)], base.with_suffix(".log"))
         return _ingest_rate([json.loads(Path(f"{base}.{r}.json").read_text()) for r in range(2)])
@@ -324,7 +332,7 @@ def markdown(result: dict, mode: str) -> str:
               "(no epoch boundaries: validation, checkpointing and reshuffling are outside it on both sides). "
               "First step = from launching the command (`python -m raytrain_ddp.run` / torchrun) to the end of "
               "rank 0's first optimizer step, both read on this machine's clock. Ingest = steady state over "
-              f"{sz['ingest_epochs']} passes over the Parquet train split: rows delivered to both consumers from "
+              f"{sz['ingest_epochs']} passes over a Parquet train split of {sz['ingest_rows']} rows: rows delivered to both consumers from "
               "the last consumer's end of pass 1 to the first consumer's end of the second-to-last pass, over "
               "that time. "
               f"Ours' own per-epoch samples/s (metrics.jsonl, epochs >= 2, whole epoch incl. first-batch wait): "

@@ -145,6 +145,23 @@ def test_shuffle_window_depends_on_row_order_not_on_blocks():
     assert np.array_equal(ids, again)
 
 
+def test_train_tasks_are_consecutive_pieces_of_about_task_bytes():
+    """A stream's pieces (three epochs) go to Ray Data tasks in order, each once; a task stops at the first
+    piece that brings it to TASK_BYTES of decoded rows (the last task may hold less)."""
+    from raytrain_ddp.data.pipeline import TASK_BYTES, DataSpec, _group_pieces, _task_rows, epoch_pieces
+
+    images = DataSpec("image", (3, 32, 32), 10, 10_521, 0)  # uint8 pixels + 16 bytes of id and label a row
+    task_rows = _task_rows(images)
+    assert task_rows == TASK_BYTES // (3 * 32 * 32 + 16)
+    assert _task_rows(DataSpec("tabular", (16,), 10, 10_521, 0)) == TASK_BYTES // (16 * 4 + 16)  # float32
+    pieces = [(*piece, epoch) for epoch in (1, 2, 3) for piece in epoch_pieces([500] * 21 + [21], 0, epoch, 1, 2)]
+    tasks = _group_pieces(pieces, task_rows)
+    assert [piece for task in tasks for piece in task] == pieces and len(tasks) > 2
+    rows = [[stop - start for _, start, stop, _ in task] for task in tasks]
+    assert all(sum(task) >= task_rows for task in rows[:-1])
+    assert all(sum(task[:-1]) < task_rows for task in rows)
+
+
 def _image_folder(root: Path, per_class: int = 60) -> Path:
     """4 classes of 16x16 PNGs, each class its own dominant colour under noise."""
     rng = np.random.default_rng(0)

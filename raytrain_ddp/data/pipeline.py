@@ -16,8 +16,9 @@ epoch number), DistributedSampler-style over units:
   steps: DDP never waits on an all-reduce one rank does not join), and they
   cover every row but the last ``rows % world_size`` (fewer than world_size;
   which ones changes per epoch), with a new split of rows between ranks;
-* each rank reads its units in that order, in parallel Ray Data tasks (a
-  small row group shares a task with its neighbour), and mixes their rows in
+* each rank reads its units in that order, in parallel Ray Data tasks (of
+  about ``TASK_BYTES`` decoded bytes each: consecutive pieces, of this epoch
+  or the next ones, share a task), and mixes their rows in
   a shuffle window of ``SHUFFLE_BUFFER_ROWS`` rows seeded from
   ``(seed, epoch, rank)``: each batch takes random rows of the window, and the
   next rows read take their places (:func:`_window_shuffled`, which depends on
@@ -56,6 +57,7 @@ its rows (no window), in its own process, without Ray Data tasks.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -79,7 +81,9 @@ log = logging.getLogger("raytrain_ddp")
 ROWS_PER_CHUNK = 1024  # built-in rows per cached chunk (a unit)
 TRANSFORM_ROWS = 256  # rows decoded at a time: bounds the decode buffers of a large row group
 SHUFFLE_BUFFER_ROWS = 1024  # a rank's local shuffle window: rows of neighbouring units mixed together
-MIN_TASK_ROWS = 256  # train pieces grouped into Ray Data tasks of at least this many rows
+# Train pieces are grouped into Ray Data tasks of about this many decoded bytes: each task costs its
+# worker 10-20 ms of Ray Data overhead (measured with 1000-row, 3 MB tasks: a third of the worker's time)
+TASK_BYTES = 12 * 2**20
 MAX_STREAM_PIECES = 10_000  # train pieces one Ray Data execution reads at most (epochs past that: a new one)
 CROP_PADDING = 4  # pixels of reflection padding before the random crop
 
@@ -338,12 +342,18 @@ def val_pieces(unit_rows: Sequence[int], rank: int, world_size: int) -> list[tup
     return _pieces(unit_rows, range(len(unit_rows)), rank * rows // world_size, (rank + 1) * rows // world_size)
 
 
-def _group_pieces(pieces: Iterable[TaskPiece]) -> list[list[TaskPiece]]:
-    """Consecutive pieces in tasks of at least MIN_TASK_ROWS rows (the last may have fewer): a small row
-    group rides with its neighbour instead of costing a task start of its own."""
+def _task_rows(spec: DataSpec) -> int:
+    """Rows of a train task: TASK_BYTES of decoded rows (uint8 pixels, or float32 features), at least one."""
+    value_bytes = 1 if spec.kind == "image" else 4
+    return max(1, TASK_BYTES // (value_bytes * math.prod(spec.input_shape) + 16))  # + id and label
+
+
+def _group_pieces(pieces: Iterable[TaskPiece], task_rows: int) -> list[list[TaskPiece]]:
+    """Consecutive pieces (of one epoch or of the next ones) in tasks of at least `task_rows` rows, the
+    last may have fewer: the per-task cost is paid once per TASK_BYTES, not once per row group."""
     tasks: list[list[TaskPiece]] = [[]]
     for piece in pieces:
-        if sum(stop - start for _, start, stop, _ in tasks[-1]) >= MIN_TASK_ROWS:
+        if sum(stop - start for _, start, stop, _ in tasks[-1]) >= task_rows:
             tasks.append([])
         tasks[-1].append(piece)
     return [task for task in tasks if task]
@@ -371,7 +381,7 @@ class _TrainStream:
                        epoch_pieces(source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)]
             self.last = epoch
         # images cross the object store as uint8 and are normalised by the consumer (_to_torch)
-        dataset = _tasks_dataset(source, _group_pieces(pieces), normalise=False)
+        dataset = _tasks_dataset(source, _group_pieces(pieces, _task_rows(source.spec)), normalise=False)
         dataset.context.execution_options = shard.execution_options
         self._blocks = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
         self._block: dict[str, np.ndarray] = {}
