@@ -352,10 +352,13 @@ def _group_pieces(pieces: Iterable[TaskPiece], task_rows: int) -> list[list[Task
     """Consecutive pieces (of one epoch or of the next ones) in tasks of at least `task_rows` rows, the
     last may have fewer: the per-task cost is paid once per TASK_BYTES, not once per row group."""
     tasks: list[list[TaskPiece]] = [[]]
+    rows = 0  # in tasks[-1]
     for piece in pieces:
-        if sum(stop - start for _, start, stop, _ in tasks[-1]) >= task_rows:
+        if rows >= task_rows:
             tasks.append([])
+            rows = 0
         tasks[-1].append(piece)
+        rows += piece[2] - piece[1]
     return [task for task in tasks if task]
 
 
