@@ -71,7 +71,7 @@ class TrainConfig:
     compile: bool = field(default=False, metadata=_flag("torch.compile the model"))
     channels_last: bool = field(default=False, metadata=_flag("channels_last memory format for image models (faster convolutions on GPU)"))
     lr: float = field(default=0.02, metadata=_flag("learning rate (for the global batch, unless --scale-lr)"))
-    scale_lr: bool = field(default=False, metadata=_flag("linear scaling: multiply --lr by --num-workers x --grad-accum (lr given for one worker's batch)"))
+    scale_lr: bool = field(default=False, metadata=_flag("linear scaling: multiply --lr by the workers x --grad-accum (lr given for one worker's batch)"))
     lr_schedule: str = field(default="constant", metadata=_flag("learning rate after warm-up: constant, cosine to 0, or step (x0.1 at 50%% and 75%% of training)", choices=LR_SCHEDULES))
     warmup_epochs: float = field(default=0.0, metadata=_flag("epochs of linear learning-rate warm-up from 0"))
     clip_grad_norm: Optional[float] = field(default=None, metadata=_flag("clip the global gradient norm to this value"))
@@ -114,10 +114,9 @@ class TrainConfig:
         """The workers a run cannot go below: --min-workers (elastic), else --num-workers."""
         return self.min_workers or self.num_workers
 
-    @property
-    def effective_lr(self) -> float:
-        """--lr, times the linear-scaling factor with --scale-lr."""
-        return self.lr * (self.num_workers * self.grad_accum if self.scale_lr else 1)
+    def lr_for(self, workers: int) -> float:
+        """--lr, times workers x --grad-accum with --scale-lr: it follows the global batch (elastic runs too)."""
+        return self.lr * (workers * self.grad_accum if self.scale_lr else 1)
 
     @property
     def run_dir(self) -> Path:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from raytrain_ddp import TrainConfig
-from raytrain_ddp.worker.schedule import lr_factor, steps_per_epoch
+from raytrain_ddp.worker.schedule import lr_factor, make_scheduler, resume_schedule, steps_per_epoch
 
 pytestmark = pytest.mark.ray
 
@@ -42,10 +42,33 @@ def test_warmup_then_cosine_step_and_constant_schedules():
 def test_linear_scaling_and_steps_per_epoch():
     config = TrainConfig(lr=0.1, num_workers=4, grad_accum=2, batch_size=32, scale_lr=True)
     assert config.global_batch_size == 256
-    assert config.effective_lr == pytest.approx(0.8)
-    assert TrainConfig(lr=0.1, num_workers=4, scale_lr=False).effective_lr == 0.1
+    assert config.lr_for(4) == pytest.approx(0.8) and config.lr_for(1) == pytest.approx(0.2)  # elastic: 1 left
+    assert TrainConfig(lr=0.1, num_workers=4, scale_lr=False).lr_for(4) == 0.1
     # 1000 rows on a rank, batches of 32: 32 micro-batches (the last partial), 16 optimizer steps.
     assert steps_per_epoch(1000, config) == 16
+
+
+def test_a_schedule_resumed_at_another_world_size_follows_it():
+    """Elastic: a checkpoint from 2 workers (cosine, --scale-lr) resumed on 1 continues at the same point of the
+    schedule, in the new world size's steps, with the rate for 1 worker; the next step goes on from there."""
+    config = TrainConfig(lr=0.1, epochs=4, lr_schedule="cosine", warmup_epochs=1, scale_lr=True)
+    two = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=config.lr_for(2), momentum=0.9)
+    two_schedule = make_scheduler(two, config, epoch_steps=8)
+    for _ in range(2 * 8):  # two epochs of 8 steps on 2 workers
+        two.step()
+        two_schedule.step()
+    one = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=config.lr_for(1), momentum=0.9)
+    one_schedule = make_scheduler(one, config, epoch_steps=16)
+    one.load_state_dict(two.state_dict())
+    one_schedule.load_state_dict(two_schedule.state_dict())
+    assert one.param_groups[0]["lr"] == pytest.approx(0.2 * lr_factor(16, 32, 8, "cosine"))  # as saved: 2 workers
+    resume_schedule(one_schedule, config.lr_for(1), 2 * 16)
+    half_way = 0.1 * lr_factor(32, 64, 16, "cosine")  # epoch 2 of 4 done, counted in 1 worker's 16 steps
+    assert one.param_groups[0]["lr"] == pytest.approx(half_way) == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi / 3)))
+    assert one_schedule.get_last_lr() == pytest.approx([half_way])
+    one.step()
+    one_schedule.step()
+    assert one.param_groups[0]["lr"] == pytest.approx(0.1 * lr_factor(33, 64, 16, "cosine"))
 
 
 # ------------------------------------------------------------------ gradient accumulation

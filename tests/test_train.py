@@ -134,15 +134,19 @@ def test_infeasible_request_fails_in_seconds(ray_address, tmp_path):
 
 
 def test_elastic_run_starts_with_the_workers_that_fit(ray_address, tmp_path):
-    """--min-workers: 4 asked, 2 fit beside the data-loading CPU: it trains with 2 and says so."""
+    """--min-workers: 4 asked, 2 fit beside the data-loading CPU: it trains with 2 and says so; --scale-lr
+    scales for the 2 that train, not the 4 asked for."""
     result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "4", "--min-workers", "1",
-                     "--epochs", "1", "--train-size", "512", "--val-size", "128", "--no-report",
+                     "--epochs", "1", "--train-size", "512", "--val-size", "128", "--no-report", "--scale-lr",
                      "--storage-path", str(tmp_path), "--name", "elastic", timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in result.stderr
     assert "Global batch = 64 per worker x 2 workers = 128" in result.stderr
+    assert "Learning rate scaled linearly with the global batch: 0.02 x 2 = 0.04" in result.stderr
     summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 128 and summary["replicas_identical"]
+    record = json.loads((tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["lr"] == pytest.approx(0.04), record
 
 
 def test_request_that_starves_data_loading_fails_in_seconds(ray_address, tmp_path):

@@ -134,7 +134,7 @@ def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[
              config.batch_size, accumulation, workers, config.global_batch_for(workers))
     if config.scale_lr:
         log.info("Learning rate scaled linearly with the global batch: %g x %d = %g", config.lr,
-                 config.num_workers * config.grad_accum, config.effective_lr)
+                 workers * config.grad_accum, config.lr_for(workers))
     log.info("Run directory: %s", config.run_dir)
 
 

@@ -165,9 +165,10 @@ class RunRecorder:
         if self.starts_of_rank0 > 1:
             log.warning("Ray Train restarted the workers from the latest checkpoint (restart %d)", self.restarts)
         if world_size != self.world_size:
-            log.warning("Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d",
+            log.warning("Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d%s",
                         world_size, self.world_size, self.config.global_batch_for(1), world_size,
-                        self.config.global_batch_for(world_size))
+                        self.config.global_batch_for(world_size),
+                        f", learning rate {self.config.lr_for(world_size):g} (--scale-lr)" if self.config.scale_lr else "")
             self.world_size = world_size
             self.workers = {rank: info for rank, info in self.workers.items() if rank < world_size}
             self._progress = {rank: p for rank, p in self._progress.items() if rank < world_size}

@@ -32,7 +32,7 @@ from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.metrics import (EpochMeter, Heartbeat, all_ranks_agree, check_finite, default_loss, evaluate,
                                          parameter_checksum, sync_buffers)
-from raytrain_ddp.worker.schedule import make_scheduler, steps_per_epoch
+from raytrain_ddp.worker.schedule import make_scheduler, resume_schedule, steps_per_epoch
 
 log = logging.getLogger("raytrain_ddp.worker")
 
@@ -40,8 +40,8 @@ NAN_CHECK_EVERY = 100  # micro-batches between loss checks: each one waits for t
 STOP_CHECK_EVERY = 10  # optimizer steps between all-ranks checks for a stop request (one tiny all-reduce)
 
 
-def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    lr = config.effective_lr
+def make_optimizer(config: TrainConfig, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+    lr = config.lr_for(world_size)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
@@ -102,8 +102,8 @@ class Trainer:
         torch.manual_seed(config.seed)
         model = build_model(config, spec, plugins.get("model_fn"))
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
-        self.optimizer = make_optimizer(config, self.model)  # after FSDP: it steps the local shards
         self.world_size = ray.train.get_context().get_world_size()  # elastic runs: this attempt's
+        self.optimizer = make_optimizer(config, self.model, self.world_size)  # after FSDP: it steps the local shards
         self.epoch_steps = steps_per_epoch(spec.train_rows // self.world_size, config)
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
         self.scaler = strategy.grad_scaler(config, device)
@@ -114,11 +114,14 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         position = ckpt.position_of(state)
-        if position.step_in_epoch and state.get("world_size", self.world_size) != self.world_size:
-            # Shards are drawn for a world size: the rows done so far are no prefix of the new shards.
-            log.info("world size changed from %d to %d: epoch %d starts over", state["world_size"],
-                     self.world_size, position.epoch + 1)
-            position.step_in_epoch = 0
+        if state.get("world_size", self.world_size) != self.world_size:
+            if position.step_in_epoch:
+                # Shards are drawn for a world size: the rows done so far are no prefix of the new shards.
+                log.info("world size changed from %d to %d: epoch %d starts over", state["world_size"],
+                         self.world_size, position.epoch + 1)
+                position.step_in_epoch = 0
+            # The checkpoint's schedule counted another world size's steps per epoch (and lr, with --scale-lr).
+            resume_schedule(self.scheduler, self.config.lr_for(self.world_size), position.epoch * self.epoch_steps)
         return position
 
     def micro_step(self, batch: dict, synchronise: bool) -> torch.Tensor:

@@ -34,3 +34,13 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, epoch_
     warmup_steps = round(config.warmup_epochs * epoch_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, config.lr_schedule))
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, base_lr: float, step: int) -> None:
+    """Put a restored schedule at optimizer step `step` with base rate `base_lr`, as if this run's world size
+    had trained from the start: the checkpoint's step count and rate were for another one (elastic runs)."""
+    scheduler.base_lrs = [base_lr] * len(scheduler.optimizer.param_groups)
+    scheduler.last_epoch = step
+    scheduler._last_lr = [base_lr * factor(step) for factor in scheduler.lr_lambdas]
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+        group["initial_lr"], group["lr"] = base_lr, lr

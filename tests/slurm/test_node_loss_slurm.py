@@ -98,15 +98,17 @@ def test_lost_node_without_room_ends_with_an_error_naming_it(testbed: Testbed) -
 
 
 def test_lost_node_with_min_workers_goes_on_with_fewer(testbed: Testbed) -> None:
-    job, run_dir, _ = run_and_lose_a_node(testbed, "node-loss-elastic", [*TRAIN, "--min-workers", "1"])
+    job, run_dir, _ = run_and_lose_a_node(testbed, "node-loss-elastic", [*TRAIN, "--min-workers", "1", "--scale-lr"])
     assert f"Lost node {LOST_NODE}" in job.log, show(job)
     assert "Ray Train restarted the workers from the latest checkpoint (restart 1)" in job.log, show(job)
-    assert "Training goes on with 1 workers (was 2): global batch now 64 per worker x 1 = 64" in job.log, show(job)
+    assert ("Training goes on with 1 workers (was 2): global batch now 64 per worker x 1 = 64, "
+            "learning rate 0.02 (--scale-lr)") in job.log, show(job)
     assert "trainer exited with code 0" in job.log, show(job)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3], records  # every epoch once, none lost or doubled
     assert records[0]["world_size"] == 2 and records[-1]["world_size"] == 1, records
     assert records[-1]["global_batch_size"] == 64 and records[-1]["samples_per_rank"] == [2048], records[-1]
+    assert records[0]["lr"] == pytest.approx(0.04) and records[-1]["lr"] == pytest.approx(0.02), records  # --scale-lr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
     assert summary["world_size"] == 1 and summary["restarts"] >= 1, summary
