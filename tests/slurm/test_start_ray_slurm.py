@@ -195,12 +195,13 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed
     """The time-limit warning end to end: USR1 -> checkpoint mid-epoch -> exit 75 ->
     scontrol requeue -> the same job id runs again in the same run directory,
     resumes from that checkpoint and finishes the requested epochs."""
+    epochs = 8  # an epoch takes ~1.5 s here and a stop 3-5 s to reach every rank: room for it to land mid-run
     wd = testbed.workdir("preempt")
     log_path = wd / "job.out"
     sub = subprocess.run(
         ["sbatch", "--parsable", "--output", str(log_path), *TWO_NODES,
          str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
-         "--epochs", "3", "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"],
+         "--epochs", str(epochs), "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"],
         cwd=wd, env=testbed.env(), capture_output=True, text=True, timeout=60, check=True,
     )
     job_id = int(sub.stdout.strip().split(";")[0])
@@ -227,9 +228,10 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed
     assert f"run directory: {run_dir}" in log.split("(restart count 1)", 1)[1], show(job)  # ...in the same run dir
     assert "Resuming from checkpoint " in log, show(job)
     assert "trainer exited with code 0" in log, show(job)
-    assert [json.loads(l)["epoch"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(l)["epoch"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, epochs + 1))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
+    assert summary["status"] == "finished" and summary["epochs_completed"] == epochs, summary
     print(f"USR1 -> trainer exit 75: {_log_time(log, 'trainer exited with code 75') - _log_time(log, 'got USR1'):.0f}s; "
           f"requeue -> trainer start again: {_log_time(log.split('(restart count 1)', 1)[1], 'trainer: ') - _log_time(log, 'requeued job'):.0f}s; "
           f"whole test {job.elapsed:.0f}s")
