@@ -10,6 +10,7 @@ that names the flag and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -104,6 +105,10 @@ class TrainConfig:
     def global_batch_size(self) -> int:
         """What one optimizer step really trains with: every micro-batch of every worker, averaged."""
         return self.global_batch_for(self.num_workers)
+
+    def batches_for(self, rows_per_rank: int) -> int:
+        """Micro-batches a rank takes per epoch over its shard (the last one partial)."""
+        return math.ceil(rows_per_rank / self.batch_size)
 
     def global_batch_for(self, workers: int) -> int:
         """The global batch with this many workers (an elastic run's world size changes)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import statistics
 import sys
 import time
@@ -121,7 +120,7 @@ class RunRecorder:
     @property
     def steps_per_epoch(self) -> int:
         """Micro-batches per rank per epoch, at the current world size."""
-        return math.ceil(self.train_rows // self.world_size / self.config.batch_size)
+        return self.config.batches_for(self.train_rows // self.world_size)
 
     def _read_earlier_epochs(self) -> dict[int, dict]:
         """A resumed run keeps the epochs it already recorded."""

@@ -13,8 +13,7 @@ STEP_DECAY_AT = (0.5, 0.75)  # fractions of the post-warm-up steps where --lr-sc
 
 def steps_per_epoch(rows_per_rank: int, config: TrainConfig) -> int:
     """Optimizer steps one rank takes per epoch (a last partial accumulation still steps)."""
-    micro_batches = math.ceil(rows_per_rank / config.batch_size)
-    return max(1, math.ceil(micro_batches / config.grad_accum))
+    return max(1, math.ceil(config.batches_for(rows_per_rank) / config.grad_accum))
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
