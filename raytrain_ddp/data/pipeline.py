@@ -56,6 +56,7 @@ its rows (no window), in its own process, without Ray Data tasks.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -560,13 +561,14 @@ class ShardingDataConfig(DataConfig):
         options = DataConfig.default_ingest_options()
         options.preserve_order = True  # blocks in piece order: the epoch's order is the seed's
         super().__init__(datasets_to_split=["train", "val"], execution_options=options)
+        self.options = options
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         # Ray Train calls this once per dataset name and hands rank r shards[r][name]:
         # for train what epoch_batches needs, for val an iterator over the rank's own fixed rows.
         shards = [{} for _ in range(world_size)]
         for name, source in datasets.items():
-            options = self._resolve_execution_options(name)
+            options = copy.deepcopy(self.options)  # a copy per dataset, as DataConfig.configure makes
             if isinstance(source, ray.data.Dataset):  # a plug-in's pipeline: equal train shards, exact val
                 source = source.copy(source)
                 source.context.execution_options = options

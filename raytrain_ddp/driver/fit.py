@@ -22,6 +22,7 @@ import ray.data
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.config import is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
@@ -46,10 +47,9 @@ progress_log.propagate = False
 # again. Right after a node dies Ray still counts it, so the first restart asks for too many workers:
 # this wait bounds how long an elastic run (--min-workers) takes to notice and start with fewer.
 WORKER_GROUP_PLACEMENT_WAIT_S = 30
-WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # read by Ray Train's controller
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
-    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    _ray_compat.PRINT_PATCH_ENV: "0",
 }
 
 
@@ -89,6 +89,7 @@ def connect(config: TrainConfig, import_roots: list[str] = ()) -> str | None:
     `import_roots` go on the PYTHONPATH of every Ray worker of this job, so
     plug-in modules import in Ray Data's tasks as well as in the training workers.
     """
+    _ray_compat.check_ray_version()
     os.environ.update(QUIET_ENV)
     if not config.verbose:  # Ray's own INFO lines stay in its session logs, off the console
         for noisy in ("ray", "ray.data", "ray.train"):
@@ -107,7 +108,7 @@ def connect(config: TrainConfig, import_roots: list[str] = ()) -> str | None:
             context = preflight.init_ray("local", include_dashboard=True, num_cpus=cpus, **options)
         url = context.dashboard_url
     else:
-        url = ray._private.worker.get_dashboard_url()  # already connected (a notebook, a test session)
+        url = _ray_compat.dashboard_url()  # already connected (a notebook, a test session)
     ray.data.DataContext.get_current().enable_progress_bars = config.verbose
     return f"http://{url}" if url and not url.startswith("http") else url
 
@@ -167,7 +168,7 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
 
 
 def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int) -> TorchTrainer:
-    os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
+    os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
     # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
     # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
     placement_tries = math.ceil(config.capacity_wait_s / WORKER_GROUP_PLACEMENT_WAIT_S) + 1
@@ -343,8 +344,7 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
 
 def _link_ray_logs(run_dir: Path) -> None:
     """RUN_DIR/ray-logs -> this node's Ray session logs: Ray's own output, kept off the console."""
-    node = getattr(ray._private.worker, "_global_node", None)  # no public API names the session dir
-    session_dir = node.get_session_dir_path() if node else None
+    session_dir = _ray_compat.session_dir()
     link = run_dir / "ray-logs"
     if session_dir and link.is_symlink():
         link.unlink()  # a resumed run (a requeued job, a new Ray): point at this session's logs

@@ -1,28 +1,25 @@
 """Which checkpoint a run starts from: verified before any worker loads it.
 
-Ray Train V2 keeps a run's checkpoints in ``RUN_DIR/checkpoint_manager_snapshot.json``
+Ray Train V2 keeps a run's checkpoints in a snapshot file in the run directory
 and hands the workers the *latest* one when the same run starts again. Its
 ``resume_from_checkpoint`` argument is gone in V2 (it raises), so both of the
-choices made here are expressed in that snapshot, validated against the
-installed Ray's own schema:
+choices made here are expressed in that snapshot (edited through
+raytrain_ddp._ray_compat, against the installed Ray's own schema):
 
 * a corrupt latest checkpoint is moved to ``RUN_DIR/corrupt/`` and the newest
   good one becomes the latest (:func:`set_aside_corrupt_latest`), after metrics
-  the snapshot could not hold are dropped (:func:`_drop_unsaved_metrics`);
+  the snapshot could not hold are dropped;
 * ``--resume-from`` copies the given checkpoint into a new run directory and
   records it as that run's latest (:func:`seed_new_run`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
-from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
-
+from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, load_file
@@ -69,17 +66,13 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
     RUN_DIR/corrupt/ and dropped from the snapshot, until a good one is the
     latest; with none left the run starts from scratch.
     """
-    snapshot_path = run_dir / CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
-    if not snapshot_path.exists():
+    state = _ray_compat.read_snapshot(run_dir)
+    if state is None:
         return None
-    state = json.loads(snapshot_path.read_text())
-    if _drop_unsaved_metrics(state):
-        _write_snapshot(run_dir, state)
-    newest_first = sorted(zip(state["checkpoint_report_indices"], state["checkpoint_results"]),
-                          key=lambda pair: pair[0], reverse=True)
+    if _ray_compat.drop_unsaved_metrics(state):
+        _ray_compat.write_snapshot(run_dir, state)
     corrupt, resume_from = [], None
-    for _, result in newest_first:
-        name = result["checkpoint_dir_name"]
+    for name in _ray_compat.checkpoints_newest_first(state):
         checkpoint_state, why = read_verified(run_dir / name)
         if why is None:
             resume_from = describe(run_dir / name, checkpoint_state)
@@ -92,46 +85,10 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
             shutil.move(run_dir / name, run_dir / CORRUPT_DIR / name)
     if not corrupt:
         return resume_from
-    kept = [(index, result) for index, result in zip(state["checkpoint_report_indices"], state["checkpoint_results"])
-            if result["checkpoint_dir_name"] not in corrupt]
-    state["checkpoint_report_indices"] = [index for index, _ in kept]
-    state["checkpoint_results"] = [result for _, result in kept]
-    state["latest_checkpoint_result"] = max(kept, key=lambda pair: pair[0])[1] if kept else None
-    pending = [(result, spec) for result, spec in zip(state["pending_training_results"], state["pending_validation_specs"])
-               if result["checkpoint_dir_name"] not in corrupt]
-    state["pending_training_results"] = [result for result, _ in pending]
-    state["pending_validation_specs"] = [spec for _, spec in pending]
-    if not kept:
+    if not _ray_compat.drop_checkpoints(state, corrupt):
         log.error("No good checkpoint left in %s: the run starts again from epoch 1", run_dir)
-    _write_snapshot(run_dir, state)
+    _ray_compat.write_snapshot(run_dir, state)
     return resume_from
-
-
-def _drop_unsaved_metrics(state: dict) -> bool:
-    """Remove metrics saved as null; say whether there were any.
-
-    Ray writes the snapshot with pydantic, which turns inf and NaN into null
-    (e.g. the -inf score of a checkpoint taken mid-epoch on a stop request, or
-    a NaN validation loss). Read back, a null score makes Ray Train's
-    checkpoint ranking fail (float * None) at the first report of the resumed
-    run; a missing score ranks lowest instead.
-    """
-    results = state["checkpoint_results"] + state["pending_training_results"] + \
-        ([state["latest_checkpoint_result"]] if state["latest_checkpoint_result"] else [])
-    dropped = False
-    for result in results:
-        for key in [key for key, value in result["metrics"].items() if value is None]:
-            del result["metrics"][key]
-            dropped = True
-    return dropped
-
-
-def _write_snapshot(run_dir: Path, state: dict) -> None:
-    """Write the snapshot atomically, after Ray's own schema has accepted it."""
-    text = _CheckpointManagerState.parse_obj(state).json()
-    tmp = run_dir / (CHECKPOINT_MANAGER_SNAPSHOT_FILENAME + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(run_dir / CHECKPOINT_MANAGER_SNAPSHOT_FILENAME)
 
 
 # ----------------------------------------------------------------- --resume-from
@@ -157,7 +114,7 @@ def check_resume_from(config: TrainConfig, spec) -> dict:
 
 
 def has_own_checkpoints(run_dir: Path) -> bool:
-    return (run_dir / CHECKPOINT_MANAGER_SNAPSHOT_FILENAME).exists()
+    return _ray_compat.has_snapshot(run_dir)
 
 
 def seed_new_run(config: TrainConfig, state: dict) -> None:
@@ -166,11 +123,5 @@ def seed_new_run(config: TrainConfig, state: dict) -> None:
     source = given.parent if given.name == CHECKPOINT_FILE else given
     name = source.name if source.name.startswith("checkpoint_") else f"checkpoint_from_{source.name}"
     shutil.copytree(source, config.run_dir / name)
-    result = {"checkpoint_dir_name": name, "metrics": state.get("metrics") or {}}
-    _write_snapshot(config.run_dir, {
-        "checkpoint_results": [result], "checkpoint_report_indices": [0], "latest_checkpoint_result": result,
-        "pending_training_results": [], "pending_validation_specs": [], "current_report_index": 1,
-        "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
-        "failed_validation_checkpoint_dir_names": [],
-    })
+    _ray_compat.write_snapshot(config.run_dir, _ray_compat.new_snapshot(name, state.get("metrics") or {}))
     log.info("Starting from checkpoint %s of run %s", describe(source, state), state["config"].get("name", "?"))

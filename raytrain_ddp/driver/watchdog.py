@@ -18,6 +18,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight
 from raytrain_ddp.driver.monitor import RunRecorder
@@ -70,17 +71,6 @@ class NodeWatch:
         return lost, joined
 
 
-def _abort_trainer() -> None:
-    """End TorchTrainer.fit() from the watcher thread: kill this job's Ray Train controller, so fit() raises.
-
-    Ray offers no public handle to the controller (it lives inside fit()); its actor table names it.
-    """
-    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
-    for actor_id, actor in ray._private.state.actors(job_id=job_id).items():
-        if actor["ActorClassName"] == "TrainController" and actor["State"] != "DEAD":
-            ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
-
-
 def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: NodeWatch) -> None:
     lost, joined = node_watch.changes()
     for node in lost:
@@ -121,7 +111,7 @@ def watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainCo
                 if time.time() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
                     recorder.abort_reason = _capacity_verdict(config, recorder)
                     log.error("Giving up: %s", recorder.abort_reason)
-                    _abort_trainer()
+                    _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
                 continue
             allowed_s = config.hang_timeout_s if recorder.any_rank_training else max(config.hang_timeout_s,
                                                                                       STARTUP_GRACE_S)

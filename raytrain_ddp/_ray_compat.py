@@ -1,0 +1,146 @@
+"""Every Ray API this project uses that Ray does not promise to keep, in one place.
+
+Private modules (``ray._private``), Ray Train V2 internals (``ray.train.v2._internal``) and the file
+layout they write are read here and nowhere else. Each was written against the Ray versions in
+TESTED_RAY (the range pyproject.toml pins); :func:`check_ray_version` says so in one line at start
+when another Ray is installed. Ray's internal modules are imported where they are used, so that a Ray
+that has moved them still gets that far and shows the warning first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import ray
+
+log = logging.getLogger("raytrain_ddp")
+
+TESTED_RAY = ("2.60", "2.61")  # from, up to (excluded): the `ray[...]>=2.60,<2.61` of pyproject.toml
+
+# Environment variables Ray Train's controller and workers read (ray.train.v2._internal.constants)
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
+
+# Ray Train V2 keeps a run's checkpoint list here (ray.train.v2._internal.constants)
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def check_ray_version(version: str | None = None) -> str | None:
+    """Log one warning line when `version` (default: the installed Ray) is outside TESTED_RAY; return it."""
+    version = version or ray.__version__
+    if _minor(TESTED_RAY[0]) <= _minor(version) < _minor(TESTED_RAY[1]):
+        return None
+    message = (f"Ray {version} is installed, but raytrain-ddp is tested with Ray >={TESTED_RAY[0]},<{TESTED_RAY[1]}: "
+               f"it uses Ray internals that change between releases (raytrain_ddp/_ray_compat.py); "
+               f"if anything fails, install ray[default,train]>={TESTED_RAY[0]},<{TESTED_RAY[1]}")
+    log.warning(message)
+    return message
+
+
+# ------------------------------------------------------------------ the connected Ray
+def dashboard_url() -> str | None:
+    """The dashboard address of the Ray this process is connected to (ray.init returns it; nothing public after)."""
+    from ray._private.worker import get_dashboard_url
+
+    return get_dashboard_url()
+
+
+def session_dir() -> str | None:
+    """This node's Ray session directory (its logs/ hold Ray's output), or None before ray.init."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node.get_session_dir_path() if node else None
+
+
+def kill_train_controller() -> None:
+    """Kill this job's Ray Train controller, so that TorchTrainer.fit() raises.
+
+    Ray offers no handle to the controller (it lives inside fit()); the job's actor table names it.
+    """
+    from ray._private.state import actors
+
+    job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    for actor_id, actor in actors(job_id=job_id).items():
+        if actor["ActorClassName"] == "TrainController" and actor["State"] != "DEAD":
+            ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+
+
+# ------------------------------------------------------------------ the checkpoint snapshot
+# Ray Train V2 hands the workers the snapshot's latest checkpoint when the same run starts again (its
+# resume_from_checkpoint argument is gone), so choosing the checkpoint a run resumes from means
+# editing the snapshot. Each edit is validated against the installed Ray's own schema when written.
+def has_snapshot(run_dir: Path) -> bool:
+    return (run_dir / SNAPSHOT_FILE).exists()
+
+
+def read_snapshot(run_dir: Path) -> dict | None:
+    path = run_dir / SNAPSHOT_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_snapshot(run_dir: Path, state: dict) -> None:
+    """Write the snapshot atomically, after Ray's own schema has accepted it."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
+
+    text = _CheckpointManagerState.parse_obj(state).json()  # as Ray Train itself reads and writes it
+    tmp = run_dir / (SNAPSHOT_FILE + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(run_dir / SNAPSHOT_FILE)
+
+
+def new_snapshot(checkpoint_dir_name: str, metrics: dict) -> dict:
+    """A snapshot whose one checkpoint, `checkpoint_dir_name` in the run directory, is the latest."""
+    result = {"checkpoint_dir_name": checkpoint_dir_name, "metrics": metrics}
+    return {
+        "checkpoint_results": [result], "checkpoint_report_indices": [0], "latest_checkpoint_result": result,
+        "pending_training_results": [], "pending_validation_specs": [], "current_report_index": 1,
+        "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
+        "failed_validation_checkpoint_dir_names": [],
+    }
+
+
+def checkpoints_newest_first(state: dict) -> list[str]:
+    """The directory names of the snapshot's checkpoints, the latest reported first."""
+    pairs = sorted(zip(state["checkpoint_report_indices"], state["checkpoint_results"]),
+                   key=lambda pair: pair[0], reverse=True)
+    return [result["checkpoint_dir_name"] for _, result in pairs]
+
+
+def drop_checkpoints(state: dict, names: list[str]) -> bool:
+    """Remove the checkpoints `names` from the snapshot (the newest left becomes the latest); say if any is left."""
+    kept = [(index, result) for index, result in zip(state["checkpoint_report_indices"], state["checkpoint_results"])
+            if result["checkpoint_dir_name"] not in names]
+    state["checkpoint_report_indices"] = [index for index, _ in kept]
+    state["checkpoint_results"] = [result for _, result in kept]
+    state["latest_checkpoint_result"] = max(kept, key=lambda pair: pair[0])[1] if kept else None
+    pending = [(result, spec) for result, spec in zip(state["pending_training_results"], state["pending_validation_specs"])
+               if result["checkpoint_dir_name"] not in names]
+    state["pending_training_results"] = [result for result, _ in pending]
+    state["pending_validation_specs"] = [spec for _, spec in pending]
+    return bool(kept)
+
+
+def drop_unsaved_metrics(state: dict) -> bool:
+    """Remove metrics saved as null; say whether there were any.
+
+    Ray writes the snapshot with pydantic, which turns inf and NaN into null
+    (e.g. the -inf score of a checkpoint taken mid-epoch on a stop request, or
+    a NaN validation loss). Read back, a null score makes Ray Train's
+    checkpoint ranking fail (float * None) at the first report of the resumed
+    run; a missing score ranks lowest instead.
+    """
+    results = state["checkpoint_results"] + state["pending_training_results"] + \
+        ([state["latest_checkpoint_result"]] if state["latest_checkpoint_result"] else [])
+    dropped = False
+    for result in results:
+        for key in [key for key, value in result["metrics"].items() if value is None]:
+            del result["metrics"][key]
+            dropped = True
+    return dropped
