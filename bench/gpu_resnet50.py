@@ -39,10 +39,10 @@ def plain(args) -> None:
     import numpy as np
     import pyarrow.parquet as pq
     import torch
+    from plain_ddp import ParquetImages
     from torch import nn
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-    from plain_ddp import ParquetImages
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.data import synthetic
     from raytrain_ddp.data.pipeline import DataSpec, plan_data, synthetic_spec, to_model_inputs

@@ -17,12 +17,11 @@ import os
 import time
 
 import bench_path  # noqa: F401  (repo root on sys.path)
-from common import MODEL, NORM_MEAN, NORM_STD, SGD, write_json
-
 import numpy as np
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
+from common import MODEL, NORM_MEAN, NORM_STD, SGD, write_json
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset

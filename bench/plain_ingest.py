@@ -18,10 +18,9 @@ import os
 import time
 
 import bench_path  # noqa: F401  (repo root on sys.path)
-from plain_ddp import ParquetImages
-
 import pyarrow.parquet as pq
 import torch.distributed as dist
+from plain_ddp import ParquetImages
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from raytrain_ddp.config import TrainConfig
@@ -51,7 +50,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         started, rows, first = time.time(), 0, None
-        for x, y in loader:
+        for _, y in loader:
             rows += len(y)
             batches.append((time.time(), len(y)))
             first = first or batches[-1][0]

@@ -221,7 +221,7 @@ def machine() -> dict:
     return {"cores": os.cpu_count(), "cpu": model, "python": platform.python_version(),
             "torch": metadata.version("torch"), "ray": metadata.version("ray"),
             "os": f"{platform.system()} {platform.release()}",
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def run_suite(sizes: Sizes, log=print) -> dict:
@@ -235,10 +235,10 @@ def run_suite(sizes: Sizes, log=print) -> dict:
             flip = round_ % 2 == 1  # A B in even rounds, B A in odd ones
 
             def pair(first, second):
-                return (second(), first())[::-1] if flip else (first(), second())
+                return (second(), first())[::-1] if flip else (first(), second())  # noqa: B023 (this round's)
 
             def say(text):
-                log(f"  [round {round_ + 1}/{sizes.repeats}, {time.time() - started:4.0f}s] {text}")
+                log(f"  [round {round_ + 1}/{sizes.repeats}, {time.time() - started:4.0f}s] {text}")  # noqa: B023
 
             o, p = pair(lambda: bench.ours_train(2, "memory"), lambda: bench.plain_train(2, "memory"))
             samples["ours_mem"].append(o), samples["plain_mem"].append(p)

@@ -118,7 +118,7 @@ rt_sweep() {
 # Number of GPUs in a Slurm spec like "3", "a100:3", "gpu:a100:3", "gres/gpu:3",
 # or "gres/gpu:a100:2,gres/shard:1" (0 when there is no GPU part).
 rt_gpu_count() {
-    local spec=${1:-} item n
+    local spec=${1:-} item
     [[ -z $spec ]] && { echo 0; return; }
     IFS=, read -ra items <<<"$spec"
     for item in "${items[@]}"; do
@@ -212,6 +212,7 @@ rt_node_main() {
     trap 'exit 143' TERM
     trap 'exit 130' INT
     rm -rf -- "$tmp"                                   # stale, e.g. after a requeue
+    # shellcheck disable=SC2174  # the parents exist (TMPDIR); only $tmp itself is ours
     mkdir -p -m 0700 "$tmp"
 
     if [[ ! -r $RAY_AUTH_TOKEN_PATH ]]; then

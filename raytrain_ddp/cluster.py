@@ -13,8 +13,7 @@ import os
 import sys
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError
-from raytrain_ddp.run import EXIT_BAD_INPUT, OneLineErrorParser
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(status(args.address))
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input(err)
     return 0
 
 

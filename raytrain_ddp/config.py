@@ -16,7 +16,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from raytrain_ddp.errors import ConfigError
 
@@ -39,11 +39,11 @@ class TrainConfig:
     # Cluster and workers
     num_workers: int = field(default=2, metadata=_flag("training workers (one per GPU with --use-gpu)"))
     use_gpu: bool = field(default=False, metadata=_flag("one GPU per worker, NCCL; CPU and gloo otherwise"))
-    min_workers: Optional[int] = field(default=None, metadata=_flag(
+    min_workers: int | None = field(default=None, metadata=_flag(
         "elastic: start and keep training with as few as this many workers when workers or nodes are lost "
         "(Ray Train's num_workers=(min, max)); the global batch shrinks with them"))
     cpus_per_worker: float = field(default=1.0, metadata=_flag("CPUs reserved for each training worker"))
-    address: Optional[str] = field(
+    address: str | None = field(
         default=None,
         metadata=_flag("Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray)"),
     )
@@ -53,14 +53,14 @@ class TrainConfig:
     dataset: str = field(default="synthetic", metadata=_flag(
         f"dataset when --data is not given: {', '.join(BUILTIN_DATASETS)}, or an import path pkg.module:build "
         "(a callable taking the config, returning {'train': ray.data.Dataset, 'val': ...} with columns x, y)"))
-    loss: Optional[str] = field(default=None, metadata=_flag(
+    loss: str | None = field(default=None, metadata=_flag(
         "loss as an import path pkg.module:fn, called as fn(outputs, targets) (default: cross-entropy over the last dimension)"))
-    data: Optional[str] = field(default=None, metadata=_flag("Parquet dataset directory with train/ and val/ (see `python -m raytrain_ddp.data`)"))
-    train_data: Optional[str] = field(default=None, metadata=_flag("Parquet files or glob for training (instead of --data)"))
-    val_data: Optional[str] = field(default=None, metadata=_flag("Parquet files or glob for validation (instead of --data)"))
+    data: str | None = field(default=None, metadata=_flag("Parquet dataset directory with train/ and val/ (see `python -m raytrain_ddp.data`)"))
+    train_data: str | None = field(default=None, metadata=_flag("Parquet files or glob for training (instead of --data)"))
+    val_data: str | None = field(default=None, metadata=_flag("Parquet files or glob for validation (instead of --data)"))
     image_column: str = field(default="image", metadata=_flag("column holding encoded images"))
     label_column: str = field(default="label", metadata=_flag("column holding integer class labels"))
-    feature_columns: Optional[str] = field(default=None, metadata=_flag("comma-separated numeric columns for tabular data"))
+    feature_columns: str | None = field(default=None, metadata=_flag("comma-separated numeric columns for tabular data"))
     train_size: int = field(default=8192, metadata=_flag("rows of the built-in training set"))
     val_size: int = field(default=2048, metadata=_flag("rows of the built-in validation set"))
     # Optimisation
@@ -75,16 +75,16 @@ class TrainConfig:
     scale_lr: bool = field(default=False, metadata=_flag("linear scaling: multiply --lr by the workers x --grad-accum (lr given for one worker's batch)"))
     lr_schedule: str = field(default="constant", metadata=_flag("learning rate after warm-up: constant, cosine to 0, or step (x0.1 at 50%% and 75%% of training)", choices=LR_SCHEDULES))
     warmup_epochs: float = field(default=0.0, metadata=_flag("epochs of linear learning-rate warm-up from 0"))
-    clip_grad_norm: Optional[float] = field(default=None, metadata=_flag("clip the global gradient norm to this value"))
+    clip_grad_norm: float | None = field(default=None, metadata=_flag("clip the global gradient norm to this value"))
     optimizer: str = field(default="sgd", metadata=_flag("optimizer", choices=OPTIMIZERS))
     momentum: float = field(default=0.9, metadata=_flag("SGD momentum"))
     weight_decay: float = field(default=5e-4, metadata=_flag("weight decay"))
     seed: int = field(default=0, metadata=_flag("seed for data generation, shuffling and model init"))
     # Run directory and checkpoints
     storage_path: str = field(default="runs", metadata=_flag("where run directories go (shared storage on a cluster)"))
-    name: Optional[str] = field(default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)"))
+    name: str | None = field(default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)"))
     num_to_keep: int = field(default=2, metadata=_flag("best checkpoints to keep, by validation accuracy"))
-    resume_from: Optional[str] = field(default=None, metadata=_flag("start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): its weights, optimizer state and epoch; --epochs is the total"))
+    resume_from: str | None = field(default=None, metadata=_flag("start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): its weights, optimizer state and epoch; --epochs is the total"))
     # Robustness
     max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
     capacity_wait_s: int = field(default=300, metadata=_flag(
@@ -95,7 +95,7 @@ class TrainConfig:
     hang_timeout_s: int = field(default=300, metadata=_flag("seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"))
     record_sample_ids: bool = field(default=False, metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"))
     tensorboard: bool = field(default=True, metadata=_flag("write TensorBoard event files to RUN_DIR/tensorboard/"))
-    mlflow_uri: Optional[str] = field(default=None, metadata=_flag("also log to MLflow: a tracking server URL or file:///path/mlruns (needs the mlflow extra)"))
+    mlflow_uri: str | None = field(default=None, metadata=_flag("also log to MLflow: a tracking server URL or file:///path/mlruns (needs the mlflow extra)"))
     report: bool = field(default=True, metadata=_flag("write the HTML report with plots to RUN_DIR/report/ at the end"))
     # Console
     verbose: bool = field(default=False, metadata=_flag("show Ray's own logs and worker logs on the console"))
@@ -135,7 +135,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     # --------------------------------------------------------------- validation
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Check every value; fill in the run name. Raises ConfigError."""
         _at_least("--num-workers", self.num_workers, 1)
         _at_least("--batch-size", self.batch_size, 1)

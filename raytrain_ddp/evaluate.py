@@ -16,7 +16,7 @@ import torch
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, bad_input
 from raytrain_ddp.models import build_model
 from raytrain_ddp.worker.checkpoint import load_file
 from raytrain_ddp.worker.loop import make_loss_fn
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate_checkpoint(args.checkpoint)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return bad_input(err)
     if args.json:
         print(json.dumps(result))
     else:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +108,7 @@ def check_model_fits_data(name: str, data_kind: str) -> None:
                           f"use --model {' or '.join(fitting)}")
 
 
-def build_model(config: TrainConfig, spec: "DataSpec", model_fn: Callable | None = None) -> nn.Module:
+def build_model(config: TrainConfig, spec: DataSpec, model_fn: Callable | None = None) -> nn.Module:
     """The model `config.model` names (or `model_fn` builds) for the data `spec` describes."""
     if model_fn is not None or is_import_path(config.model):
         label = repr(config.model) if model_fn is None else describe(model_fn)

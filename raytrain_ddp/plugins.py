@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, cast
 
 from raytrain_ddp.errors import ConfigError
 
@@ -73,4 +74,4 @@ def describe(fn: Callable) -> str:
 
 def make_loss(obj: Callable) -> Callable:
     """A loss given as a class (nn.CrossEntropyLoss) is instantiated; a function is used as is."""
-    return obj() if inspect.isclass(obj) else obj
+    return cast(Callable, obj()) if inspect.isclass(obj) else obj

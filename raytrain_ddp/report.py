@@ -12,7 +12,6 @@ gets a report that says so.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import json
@@ -22,9 +21,12 @@ import statistics
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from raytrain_ddp.errors import OneLineErrorParser, bad_input
 
 log = logging.getLogger(__name__)
 
@@ -546,15 +548,10 @@ def write_report(run_dir: Path | str) -> Path:
 # CLI
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _OneLineErrorParser(prog="python -m raytrain_ddp.report",
-                                 description="Write RUN_DIR/report/index.html (summary, workers, epochs, "
-                                             "configuration and plots) and print its path.")
+    parser = OneLineErrorParser(prog="python -m raytrain_ddp.report",
+                                description="Write RUN_DIR/report/index.html (summary, workers, epochs, "
+                                            "configuration and plots) and print its path.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory: STORAGE_PATH/NAME")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is read and written")
     args = parser.parse_args(argv)
@@ -562,8 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         index = write_report(args.run_dir)
     except ReportError as err:
-        sys.stderr.write(f"error: {err}\n")
-        return 2
+        return bad_input(err)
     except OSError as err:  # e.g. a read-only run directory
         sys.stderr.write(f"error: cannot write the report: {err}\n")
         return 1

@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 
 from raytrain_ddp.config import TrainConfig, _field_type, load_toml
 from raytrain_ddp.driver.signals import hold_early_stop_signals
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import EXIT_BAD_INPUT, ConfigError, OneLineErrorParser, bad_input  # noqa: F401 (exit codes)
 
 EXAMPLES = """\
 examples:
@@ -31,14 +31,7 @@ exit codes:
   130  interrupted (Ctrl-C)
 """
 
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 2, 75, 130
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line on stderr and exit code 2."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"error: {message} (see --help)\n")
+EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 75, 130  # EXIT_BAD_INPUT (2) comes with the one-line errors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
         result = fit(config)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input(err)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
-
 from support import run_cli
+
 from raytrain_ddp.data import synthetic
 from raytrain_ddp.data.prepare import write_tabular
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from support import REPO, run_python_file
 
 pytestmark = pytest.mark.ray

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from support import run_cli
 
 pytestmark = pytest.mark.ray

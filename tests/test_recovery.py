@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support import REPO
 
 pytestmark = pytest.mark.ray

@@ -15,7 +15,6 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-
 from support import run_cli
 
 pytestmark = pytest.mark.ray

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 from support import run_cli, run_python_file
 
 pytestmark = pytest.mark.ray

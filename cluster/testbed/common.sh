@@ -1,5 +1,5 @@
 # Shared settings for the testbed scripts (sourced by up.sh / down.sh).
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034  # the settings are for the scripts that source this file
 
 # Everything the testbed creates lives here, so tear-down knows what is ours.
 TESTBED_DIR=${RAYTRAIN_TESTBED_DIR:-/var/lib/raytrain-testbed}

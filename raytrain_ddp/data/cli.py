@@ -22,7 +22,7 @@ from raytrain_ddp.data import prepare
 from raytrain_ddp.data.format import DEFAULT_ROW_GROUP_SIZE, DEFAULT_ROWS_PER_FILE, DatasetInfo, decode_images
 from raytrain_ddp.data.paths import resolve
 from raytrain_ddp.data.validate import check_dataset, open_parquet
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, bad_input
 
 SOURCES = ("imagefolder", "cifar10", "csv")
 ASCII_RAMP = " .:-=+*#%@"  # dark to bright
@@ -60,9 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _inspect(args.path)
     except ConfigError as exc:
-        message = " ".join(str(exc).splitlines())
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return bad_input(exc)
     return 0
 
 

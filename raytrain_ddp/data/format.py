@@ -80,7 +80,7 @@ class DatasetInfo:
     classes: list[str]
     num_classes: int
     rows: dict[str, int]
-    image_shape: tuple[int, int, int] | None = None
+    image_shape: tuple[int, ...] | None = None
     encoding: str | None = None
     feature_columns: list[str] | None = None
     mean: list[float] | None = None

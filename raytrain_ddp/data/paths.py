@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, one_line
 
 GLOB_CHARS = "*?["
 
@@ -106,8 +106,3 @@ def expand_glob(pattern: str) -> list[Location]:
         for info in sorted(infos, key=lambda info: info.path)
         if info.type == pafs.FileType.File and fnmatch.fnmatch(info.base_name, name_pattern)
     ]
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message squeezed onto one line (pyarrow messages span several)."""
-    return " ".join(str(exc).split()) or type(exc).__name__

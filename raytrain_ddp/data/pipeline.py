@@ -144,7 +144,7 @@ def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: i
                     "x": images, "y": rows[spec.label_column].astype(np.int64)}
         scale = np.asarray(spec.std, dtype=np.float32).reshape(1, -1, 1, 1)
         shift = np.asarray(spec.mean, dtype=np.float32).reshape(1, -1, 1, 1)
-        x = (images.astype(np.float32) / 255.0 - shift) / scale
+        x: np.ndarray = (images.astype(np.float32) / 255.0 - shift) / scale
     else:
         x = np.stack([rows[name] for name in spec.feature_columns], axis=1).astype(np.float32)
         if spec.mean:

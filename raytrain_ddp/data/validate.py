@@ -44,7 +44,7 @@ class _Columns:
     kind: str  # "image" or "tabular"
     label: str
     image: str | None = None
-    raw_image_shape: tuple[int, int, int] | None = None  # set when images are raw pixel lists
+    raw_image_shape: tuple[int, ...] | None = None  # set when images are raw pixel lists
     features: tuple[str, ...] | None = None
 
 
@@ -381,7 +381,7 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 def _check_image_shapes(
     reports: Sequence[_FileReport], info: DatasetInfo | None
-) -> tuple[tuple[int, int, int], str | None]:
+) -> tuple[tuple[int, ...], str | None]:
     """One fixed image shape across files (sampled), matching the metadata if any."""
     sampled = [r for r in reports if r.image_shape is not None]
     first = sampled[0]

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +24,14 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
-from raytrain_ddp.config import TrainConfig, to_toml
-from raytrain_ddp.config import is_import_path
+from raytrain_ddp.config import TrainConfig, is_import_path, to_toml
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import preflight, run_checkpoints
+from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, stop_on_signals
-from raytrain_ddp.driver.watchdog import NodeWatch, watch
-from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
+from raytrain_ddp.driver.watchdog import NodeWatch, watch
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
@@ -83,7 +83,7 @@ class FitResult:
         return self.summary.get("final_metrics") or {}
 
 
-def connect(config: TrainConfig, import_roots: list[str] = ()) -> str | None:
+def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None:
     """Join the cluster at --address / $RAY_ADDRESS, or start a local Ray. Returns the dashboard URL.
 
     `import_roots` go on the PYTHONPATH of every Ray worker of this job, so
@@ -113,7 +113,7 @@ def connect(config: TrainConfig, import_roots: list[str] = ()) -> str | None:
     return f"http://{url}" if url and not url.startswith("http") else url
 
 
-def _pythonpath(import_roots: list[str]) -> dict:
+def _pythonpath(import_roots: Sequence[str]) -> dict:
     paths = list(import_roots) + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
     return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
 

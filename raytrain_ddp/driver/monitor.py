@@ -25,7 +25,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig
 
-
 log = logging.getLogger("raytrain_ddp")
 
 
@@ -64,9 +63,10 @@ class RunMonitor:
         return events
 
 
-def start_monitor() -> "ray.actor.ActorHandle":
+def start_monitor() -> ray.actor.ActorHandle:
     here = ray.get_runtime_context().get_node_id()
-    return RunMonitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+    strategy = NodeAffinitySchedulingStrategy(here, soft=False)
+    return RunMonitor.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]  # @ray.remote's
 
 
 STRAGGLER_MIN_EXCESS_S = 0.25  # below this, waiting is noise, not a bottleneck

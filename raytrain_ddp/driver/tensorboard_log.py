@@ -109,7 +109,7 @@ class TensorBoardLog:
             self._writer.close()
             self._writer = None
 
-    def __enter__(self) -> "TensorBoardLog":
+    def __enter__(self) -> TensorBoardLog:
         return self
 
     def __exit__(self, *exc) -> None:

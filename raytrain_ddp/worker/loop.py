@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import ray
@@ -30,8 +30,16 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
-from raytrain_ddp.worker.metrics import (EpochMeter, Heartbeat, all_ranks_agree, check_finite, default_loss, evaluate,
-                                         parameter_checksum, sync_buffers)
+from raytrain_ddp.worker.metrics import (
+    EpochMeter,
+    Heartbeat,
+    all_ranks_agree,
+    check_finite,
+    default_loss,
+    evaluate,
+    parameter_checksum,
+    sync_buffers,
+)
 from raytrain_ddp.worker.schedule import make_scheduler, resume_schedule, steps_per_epoch
 
 log = logging.getLogger("raytrain_ddp.worker")

@@ -6,7 +6,6 @@ import os
 import subprocess
 
 import pytest
-
 from slurm_testbed import NODES, TESTBED, TESTBED_DIR, Testbed, _unavailable_reason
 
 

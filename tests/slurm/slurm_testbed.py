@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 TESTBED = REPO / "cluster" / "testbed"
 SCRIPT = REPO / "cluster" / "start_ray_slurm.sh"

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from slurm_testbed import REPO, Testbed
 
 sys.path.insert(0, str(REPO / "tests"))

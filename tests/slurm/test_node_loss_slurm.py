@@ -24,9 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-
 from slurm_testbed import SCRIPT, Job, Testbed
-
 from test_start_ray_slurm import TWO_NODES, assert_no_leftovers, show
 
 pytestmark = pytest.mark.slurm

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from slurm_testbed import HEAD_NETNS, NODES, Job, Testbed, job_processes
 
 pytestmark = pytest.mark.slurm
