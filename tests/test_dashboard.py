@@ -22,12 +22,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from support import REPO
 
-from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API
-
-pytestmark = pytest.mark.ray
+from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API, login_hint
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NAME = "dashboard-demo"
@@ -97,6 +94,7 @@ def ray_head(tmp_path):
         head.wait(timeout=60)
 
 
+@pytest.mark.ray
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
     dashboard, token = ray_head["dashboard"], ray_head["token"]
@@ -126,16 +124,28 @@ def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
     assert after is not None, _get(dashboard + TRAIN_RUNS_API, token)
     assert after["status"] == "FINISHED" and after["attempts"][-1]["status"] == "FINISHED", after
 
-    text, png = asyncio.run(_browse(dashboard, token, "/#/jobs", (NAME, "SUCCEEDED"), tmp_path / "chromium"))
+    text, png = _browse(dashboard, token, "/#/jobs", (NAME, "SUCCEEDED"), tmp_path / "chromium")
     (tmp_path / "dashboard.png").write_bytes(png)  # the artefact: docs/img/dashboard-jobs.png is one of these
     assert "Authentication Token Required" not in text, text[:2000]  # logged in: no token dialog
 
 
-async def _browse(dashboard: str, token: str, page: str, expect: tuple[str, ...], profile: Path) -> tuple[str, bytes]:
+def test_login_hint_names_the_token_ray_uses(monkeypatch, tmp_path):
+    """Ray's order: $RAY_AUTH_TOKEN, then the file $RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token."""
+    for variable in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert login_hint() == ""  # no token auth: nothing to log in with
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert login_hint() == f" (log in with the token: the contents of {tmp_path / '.ray' / 'auth_token'})"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/run/job/auth_token")
+    assert login_hint() == " (log in with the token: the contents of /run/job/auth_token)"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    assert login_hint() == " (log in with the token: the value of $RAY_AUTH_TOKEN)"
+
+
+def _browse(dashboard: str, token: str, page: str, expect: tuple[str, ...], profile: Path) -> tuple[str, bytes]:
     """Log in to the dashboard the way its token dialog does, open `page`, wait until it shows every string
     of `expect`: (page text, PNG)."""
-    import aiohttp  # Ray's own dependency
-
     browser = subprocess.Popen(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-port=0",
          f"--user-data-dir={profile}", "--window-size=1400,800", "about:blank"],
@@ -143,42 +153,47 @@ async def _browse(dashboard: str, token: str, page: str, expect: tuple[str, ...]
     try:
         port_file = profile / "DevToolsActivePort"
         _wait_for(lambda: port_file.exists() and port_file.read_text().count("\n") >= 1, "Chromium DevTools", 60)
-        port = port_file.read_text().split()[0]
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"http://127.0.0.1:{port}/json/list") as response:
-                target = next(t for t in await response.json() if t["type"] == "page")
-            async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
-                ids = iter(range(1, 10**6))
-
-                async def call(method: str, **params):
-                    sent = next(ids)
-                    await ws.send_json({"id": sent, "method": method, "params": params})
-                    async for message in ws:
-                        reply = json.loads(message.data)
-                        if reply.get("id") == sent:
-                            assert "error" not in reply, reply
-                            return reply["result"]
-
-                async def evaluate(expression: str):
-                    result = await call("Runtime.evaluate", expression=expression, awaitPromise=True,
-                                        returnByValue=True)
-                    return result["result"].get("value")
-
-                # Log in from a plain page of the dashboard's origin: the app, opened first, would keep its dialog.
-                await call("Page.navigate", url=dashboard + "/api/authentication_mode")
-                await _until(lambda: evaluate("document.readyState === 'complete'"))
-                status = await evaluate(f"fetch('/api/authenticate', {{method: 'POST', headers: "
-                                        f"{{Authorization: 'Bearer {token}'}}}}).then(r => r.status)")
-                assert status == 200, f"POST /api/authenticate answered {status}"
-                await call("Page.navigate", url=dashboard + page)
-                shows_all = " && ".join(f"document.body.innerText.includes({json.dumps(s)})" for s in expect)
-                text = await _until(lambda: evaluate(f"({shows_all}) && document.body.innerText"),
-                                    lambda: evaluate("document.body.innerText"))
-                png = base64.b64decode((await call("Page.captureScreenshot", format="png"))["data"])
-                return text, png
+        return asyncio.run(_devtools(port_file.read_text().split()[0], dashboard, token, page, expect))
     finally:
         browser.terminate()
         browser.wait(timeout=30)
+
+
+async def _devtools(port: str, dashboard: str, token: str, page: str, expect: tuple[str, ...]) -> tuple[str, bytes]:
+    import aiohttp  # Ray's own dependency
+
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/json/list") as response:
+            target = next(t for t in await response.json() if t["type"] == "page")
+        async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+            ids = iter(range(1, 10**6))
+
+            async def call(method: str, **params):
+                sent = next(ids)
+                await ws.send_json({"id": sent, "method": method, "params": params})
+                async for message in ws:
+                    reply = json.loads(message.data)
+                    if reply.get("id") == sent:
+                        assert "error" not in reply, reply
+                        return reply["result"]
+
+            async def evaluate(expression: str):
+                result = await call("Runtime.evaluate", expression=expression, awaitPromise=True,
+                                    returnByValue=True)
+                return result["result"].get("value")
+
+            # Log in from a plain page of the dashboard's origin: the app, opened first, would keep its dialog.
+            await call("Page.navigate", url=dashboard + "/api/authentication_mode")
+            await _until(lambda: evaluate("document.readyState === 'complete'"))
+            status = await evaluate(f"fetch('/api/authenticate', {{method: 'POST', headers: "
+                                    f"{{Authorization: 'Bearer {token}'}}}}).then(r => r.status)")
+            assert status == 200, f"POST /api/authenticate answered {status}"
+            await call("Page.navigate", url=dashboard + page)
+            shows_all = " && ".join(f"document.body.innerText.includes({json.dumps(s)})" for s in expect)
+            text = await _until(lambda: evaluate(f"({shows_all}) && document.body.innerText"),
+                                lambda: evaluate("document.body.innerText"))
+            png = base64.b64decode((await call("Page.captureScreenshot", format="png"))["data"])
+            return text, png
 
 
 async def _until(check, show=None, timeout: float = 90):
