@@ -26,7 +26,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path, to_toml
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
-from raytrain_ddp.driver import preflight, run_checkpoints
+from raytrain_ddp.driver import dashboard, preflight, run_checkpoints
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, stop_on_signals
@@ -90,7 +90,7 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
     plug-in modules import in Ray Data's tasks as well as in the training workers.
     """
     _ray_compat.check_ray_version()
-    os.environ.update(QUIET_ENV)
+    os.environ.update({**QUIET_ENV, **dashboard.TRAIN_STATE_ENV})  # the driver feeds the dashboard's Train API
     if not config.verbose:  # Ray's own INFO lines stay in its session logs, off the console
         for noisy in ("ray", "ray.data", "ray.train"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -99,7 +99,8 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         address = config.address or os.environ.get("RAY_ADDRESS")
         quiet = logging.INFO if config.verbose else logging.ERROR
         options = dict(logging_level=quiet, log_to_driver=config.verbose,
-                       runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}})
+                       runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}},
+                       job_config=ray.job_config.JobConfig(metadata={"job_name": config.name}))  # Jobs page
         if address:
             context = preflight.init_ray(address, **options)
         else:
@@ -121,7 +122,7 @@ def _pythonpath(import_roots: Sequence[str]) -> dict:
 def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[dict], workers: int) -> None:
     log.info("Ray cluster: %d node(s): %s", len(nodes), preflight.describe(nodes))
     if dashboard_url:
-        log.info("Ray dashboard: %s", dashboard_url)
+        log.info("Ray dashboard: %s%s", dashboard_url, dashboard.login_hint())
     device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
     elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
     log.info("Training %s on %s with %d workers%s x %s, %s, %s, %d epochs", config.model,

@@ -1,0 +1,206 @@
+"""The Ray dashboard shows the run: its Train API lists it during and after the run, and a real headless
+Chromium, logged in with the cluster's token, sees it by name.
+
+One real Ray head (`ray start --head --block`, dashboard and token auth on, started without any
+Train setting, as the Slurm job starts it) outlives the CLI run, so "after the run" can be checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API, login_hint
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NAME = "dashboard-demo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, token: str) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    except OSError as err:  # not listening yet
+        return 0, str(err)
+
+
+def _our_run(dashboard: str, token: str) -> dict | None:
+    """Our run as the dashboard's Train API lists it; None before Ray Train's state actor exists (a 500)."""
+    status, body = _get(dashboard + TRAIN_RUNS_API, token)
+    if status in (0, 500):
+        return None
+    assert status == 200, f"{TRAIN_RUNS_API} answered {status}: {body[:300]}"
+    return next((run for run in json.loads(body)["train_runs"] if run["name"] == NAME), None)
+
+
+def _wait_for(predicate, what: str, timeout: float, process: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"the run ended before {what}:\n{process.stdout.read()[-3000:]}")
+        time.sleep(1)
+    pytest.fail(f"no {what} within {timeout:.0f}s")
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head with the dashboard and token auth on; its token file; torn down by its own `--block` process."""
+    token_path = tmp_path / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o600)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    head = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={gcs_port}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+         "--num-cpus=3", f"--object-store-memory={300 * 2**20}", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        dashboard = f"http://127.0.0.1:{dashboard_port}"
+        token = token_path.read_text()
+        _wait_for(lambda: _get(dashboard + TRAIN_RUNS_API, token)[0] in (200, 500), "dashboard", 120)
+        yield {"address": f"127.0.0.1:{gcs_port}", "dashboard": dashboard, "token": token, "env": env,
+               "token_path": token_path}
+    finally:
+        head.terminate()  # `ray start --block` stops the processes it started, and only those
+        head.wait(timeout=60)
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
+    dashboard, token = ray_head["dashboard"], ray_head["token"]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_ddp.run", "--address", ray_head["address"], "--num-workers", "2",
+         "--epochs", "2", "--train-size", "1024", "--val-size", "128", "--storage-path", str(tmp_path / "runs"),
+         "--name", NAME, "--no-report", "--no-tensorboard"],
+        cwd=REPO, env={**ray_head["env"], "RAYTRAIN_TEST_SLOW_DATA": "0:0.05"},  # long enough to look at it
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def running_with_workers():
+            found = _our_run(dashboard, token)
+            if found and found["status"] == "RUNNING" and found["attempts"] and found["attempts"][-1]["workers"]:
+                return found
+        during = _wait_for(running_with_workers, f"RUNNING run {NAME!r} with workers in {TRAIN_RUNS_API}", 300, run)
+        output, _ = run.communicate(timeout=600)
+    finally:
+        run.kill()
+    assert run.returncode == 0, output[-3000:]
+    workers = during["attempts"][-1]["workers"]
+    assert sorted(w["world_rank"] for w in workers) == [0, 1]
+    assert all(w["node_ip"] and w["node_id"] for w in workers)
+    assert f"Ray dashboard: {dashboard} (log in with the token: the contents of {ray_head['token_path']})" in output
+    assert token not in output
+
+    after = _our_run(dashboard, token)
+    assert after is not None, _get(dashboard + TRAIN_RUNS_API, token)
+    assert after["status"] == "FINISHED" and after["attempts"][-1]["status"] == "FINISHED", after
+
+    text, png = _browse(dashboard, token, "/#/jobs", (NAME, "SUCCEEDED"), tmp_path / "chromium")
+    (tmp_path / "dashboard.png").write_bytes(png)  # the artefact: docs/img/dashboard-jobs.png is one of these
+    assert "Authentication Token Required" not in text, text[:2000]  # logged in: no token dialog
+
+
+def test_login_hint_names_the_token_ray_uses(monkeypatch, tmp_path):
+    """Ray's order: $RAY_AUTH_TOKEN, then the file $RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token."""
+    for variable in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert login_hint() == ""  # no token auth: nothing to log in with
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert login_hint() == f" (log in with the token: the contents of {tmp_path / '.ray' / 'auth_token'})"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/run/job/auth_token")
+    assert login_hint() == " (log in with the token: the contents of /run/job/auth_token)"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    assert login_hint() == " (log in with the token: the value of $RAY_AUTH_TOKEN)"
+
+
+def _browse(dashboard: str, token: str, page: str, expect: tuple[str, ...], profile: Path) -> tuple[str, bytes]:
+    """Log in to the dashboard the way its token dialog does, open `page`, wait until it shows every string
+    of `expect`: (page text, PNG)."""
+    browser = subprocess.Popen(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-port=0",
+         f"--user-data-dir={profile}", "--window-size=1400,800", "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        port_file = profile / "DevToolsActivePort"
+        _wait_for(lambda: port_file.exists() and port_file.read_text().count("\n") >= 1, "Chromium DevTools", 60)
+        return asyncio.run(_devtools(port_file.read_text().split()[0], dashboard, token, page, expect))
+    finally:
+        browser.terminate()
+        browser.wait(timeout=30)
+
+
+async def _devtools(port: str, dashboard: str, token: str, page: str, expect: tuple[str, ...]) -> tuple[str, bytes]:
+    import aiohttp  # Ray's own dependency
+
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/json/list") as response:
+            target = next(t for t in await response.json() if t["type"] == "page")
+        async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+            ids = iter(range(1, 10**6))
+
+            async def call(method: str, **params):
+                sent = next(ids)
+                await ws.send_json({"id": sent, "method": method, "params": params})
+                async for message in ws:
+                    reply = json.loads(message.data)
+                    if reply.get("id") == sent:
+                        assert "error" not in reply, reply
+                        return reply["result"]
+
+            async def evaluate(expression: str):
+                result = await call("Runtime.evaluate", expression=expression, awaitPromise=True,
+                                    returnByValue=True)
+                return result["result"].get("value")
+
+            # Log in from a plain page of the dashboard's origin: the app, opened first, would keep its dialog.
+            await call("Page.navigate", url=dashboard + "/api/authentication_mode")
+            await _until(lambda: evaluate("document.readyState === 'complete'"))
+            status = await evaluate(f"fetch('/api/authenticate', {{method: 'POST', headers: "
+                                    f"{{Authorization: 'Bearer {token}'}}}}).then(r => r.status)")
+            assert status == 200, f"POST /api/authenticate answered {status}"
+            await call("Page.navigate", url=dashboard + page)
+            shows_all = " && ".join(f"document.body.innerText.includes({json.dumps(s)})" for s in expect)
+            text = await _until(lambda: evaluate(f"({shows_all}) && document.body.innerText"),
+                                lambda: evaluate("document.body.innerText"))
+            png = base64.b64decode((await call("Page.captureScreenshot", format="png"))["data"])
+            return text, png
+
+
+async def _until(check, show=None, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.5)
+    pytest.fail(f"the page did not get there within {timeout:.0f}s" + (f"; it shows:\n{await show()}" if show else ""))
