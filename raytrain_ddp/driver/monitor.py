@@ -207,7 +207,8 @@ class RunRecorder:
             "global_batch_size": self.config.global_batch_for(len(ranks)),
             "samples_per_second": sum(samples) / seconds,
             "samples_per_rank": samples,
-            "steps_per_rank": [m["steps"] for m in ranks],
+            "micro_batches_per_rank": [m["micro_batches"] for m in ranks],
+            "steps_per_rank": [m["micro_batches"] for m in ranks],  # the old name of micro_batches_per_rank
             "optimizer_steps_per_rank": [m["optimizer_steps"] for m in ranks],
             "skipped_steps_per_rank": [m["skipped_steps"] for m in ranks],
             "grad_allreduces_per_rank": [m["grad_allreduces"] for m in ranks],
