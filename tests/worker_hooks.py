@@ -43,6 +43,18 @@ class SlowData(WorkerHooks):
             time.sleep(self.seconds)
 
 
+class SlowCompute(WorkerHooks):
+    """RAYTRAIN_TEST_SLOW_COMPUTE=rank:seconds: that rank spends this long more on every micro-batch."""
+
+    def __init__(self) -> None:
+        rank, self.seconds = _numbers("RAYTRAIN_TEST_SLOW_COMPUTE")
+        self.rank = int(rank)
+
+    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
+        if rank == self.rank:
+            time.sleep(self.seconds)
+
+
 class CountSyncs(WorkerHooks):
     """RAYTRAIN_TEST_COUNT_SYNCS=directory:first:last: each rank counts the calls that make the host wait for
     the device, from the end of micro-batch `first` of epoch 1 to the end of micro-batch `last`, in every

@@ -26,7 +26,11 @@ class WorkerHooks:
         """Each time the loop takes the next batch from the input pipeline (inside the data-wait timer)."""
 
     def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
-        """After micro-batch `micro_batch` of `epoch` was launched (forward, backward, maybe the optimizer step)."""
+        """After micro-batch `micro_batch` of `epoch` was launched (forward and backward; its optimizer step,
+        if it ends a group, comes next)."""
+
+    def on_optimizer_step(self, rank: int, epoch: int, step: int) -> None:
+        """After optimizer step `step` of `epoch` was launched (counting from 1, steps before a resume too)."""
 
 
 def hooks_from_environment() -> tuple[bytes | None, list[str]]:

@@ -221,7 +221,7 @@ class WorkerLoop:
 
     def train_epoch(self, epoch: int) -> EpochRun:
         """This rank's shard of `epoch`, until it ends or every rank agrees to stop."""
-        config, meter = self.config, EpochMeter()
+        config, meter = self.config, EpochMeter(skip_nonfinite=self.config.skip_nonfinite)
         self.trainer.model.train()
         self.heartbeat.at("training", epoch, meter)
         run, clock = EpochRun(meter), StepClock(self.device)
@@ -248,7 +248,7 @@ class WorkerLoop:
         config, meter, trainer = self.config, run.meter, self.trainer
         meter.micro_batches_started += 1
         synchronise = micro_batch % config.grad_accum == 0 or is_last
-        meter.add(trainer.micro_batch(batch, synchronise), len(batch["y"]), config.skip_nonfinite)
+        meter.add(trainer.micro_batch(batch, synchronise), len(batch["y"]))
         if config.record_sample_ids:
             run.seen_ids.append(batch["id"].numpy())  # ids never leave the host
         if meter.micro_batches % NAN_CHECK_EVERY == 0:
@@ -258,6 +258,7 @@ class WorkerLoop:
             return False
         run.skipped_steps += not trainer.optimizer_step()
         run.optimizer_steps += 1
+        self.hooks.on_optimizer_step(self.rank, epoch, run.optimizer_steps)
         self.position.global_step += 1
         if self.position.global_step % STOP_CHECK_EVERY == 0 and not is_last and self.stop_agreed():
             run.stop_reason = self.heartbeat.stop_reason or "another rank was asked to stop"
@@ -309,7 +310,10 @@ class WorkerLoop:
             "lr": trainer.lr, "train_seconds": run.train_seconds, "data_wait_seconds": meter.data_wait_s,
             "step_seconds": run.compute_seconds / max(micro_batches, 1), **val_metrics,
         }
-        trainer.grad_syncs.calls = 0
+        # gloo completes a future when its all-reduce has; NCCL's may complete at enqueue: no wait measured there
+        rank_metrics["allreduce_wait_seconds"] = (trainer.grad_syncs.wait_s if config.strategy == "ddp"
+                                                  and self.device.type == "cpu" else None)
+        trainer.grad_syncs.calls, trainer.grad_syncs.wait_s = 0, 0.0
         if self.device.type == "cuda":
             rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)

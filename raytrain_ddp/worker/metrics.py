@@ -29,14 +29,15 @@ class EpochMeter:
     micro_batches_started: int = 0  # one ahead of `micro_batches` while one runs (or hangs in its all-reduce)
     loss: float = float("nan")  # mean training loss so far, as of the last refresh
     data_wait_s: float = 0.0
+    skip_nonfinite: bool = False  # leave NaN/inf losses out of the mean (decided on the device)
     started: float = field(default_factory=time.perf_counter)
     _sums: torch.Tensor | None = None  # on the device: [weighted loss sum, samples counted]
 
-    def add(self, loss: torch.Tensor, batch_size: int, skip_nonfinite: bool = False) -> None:
-        """Count a micro-batch's loss; with `skip_nonfinite` a NaN/inf loss is left out, decided on the device."""
+    def add(self, loss: torch.Tensor, batch_size: int) -> None:
+        """Count a micro-batch's loss."""
         loss = loss.detach().float()
         weight = torch.full_like(loss, batch_size)
-        if skip_nonfinite:
+        if self.skip_nonfinite:
             finite = torch.isfinite(loss)
             loss, weight = torch.where(finite, loss, 0.0), torch.where(finite, weight, 0.0)
         sums = torch.stack([loss * weight, weight])
