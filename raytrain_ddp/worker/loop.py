@@ -342,6 +342,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         worker.report_epoch(epoch, run, val_metrics)
         worker.checkpoint(epoch, run, val_metrics)
         if epoch < worker.config.epochs and worker.stop_agreed():
-            log.info("stopping after epoch %d: %s", epoch, worker.heartbeat.stop_reason or "another rank was asked to stop")
+            log.info("stopping after epoch %d: %s", epoch,
+                     worker.heartbeat.stop_reason or "another rank was asked to stop")
             return
     worker.finish()
