@@ -12,6 +12,7 @@ pytestmark = pytest.mark.ray
 def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, tmp_path, monkeypatch):
     from raytrain_ddp import TrainConfig, fit
 
+    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowData")
     monkeypatch.setenv("RAYTRAIN_TEST_SLOW_DATA", "1:0.4")  # rank 1 waits 0.4 s for every batch
     result = fit(TrainConfig(num_workers=2, epochs=1, dataset="synthetic-tabular", model="mlp", train_size=2000,
                              val_size=200, batch_size=50, storage_path=str(tmp_path), name="slow"))

@@ -75,7 +75,8 @@ def test_sigkilled_worker_is_replaced_and_training_resumes(ray_address, tmp_path
 def test_watchdog_names_the_stuck_rank_long_before_the_collective_timeout(ray_address, tmp_path, monkeypatch):
     from raytrain_ddp import fit
 
-    monkeypatch.setenv("RAYTRAIN_TEST_STALL", "1:1:3:600")  # rank 1 sleeps in epoch 1, step 3
+    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:Stall")
+    monkeypatch.setenv("RAYTRAIN_TEST_STALL", "1:1:3:600")  # rank 1 sleeps in epoch 1, micro-batch 3
     started = time.monotonic()
     result = fit(_config(tmp_path, "stalled", epochs=1, hang_timeout_s=8, max_failures=0, collective_timeout_s=900))
     elapsed = time.monotonic() - started
@@ -177,7 +178,8 @@ def test_usr1_stops_at_a_checkpoint_and_the_same_command_resumes(ray_address, tm
     run_dir = tmp_path / "preempted"
     # Epochs of >= 3 s however idle the machine: the stop request (heartbeats
     # every second, checked every 10 steps) must land before the last epoch.
-    slowed = {**os.environ, "RAYTRAIN_TEST_SLOW_DATA": "0:0.2"}
+    slowed = {**os.environ, "RAYTRAIN_WORKER_HOOKS": "worker_hooks:SlowData", "RAYTRAIN_TEST_SLOW_DATA": "0:0.2",
+              "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=slowed)
     _wait_for_epoch(run_dir, 1)

@@ -56,7 +56,9 @@ its rows (no window), in its own process, without Ray Data tasks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -104,6 +106,7 @@ class DataSpec:
     label_column: str = "label"
     encoding: str = "array"  # "png" / "jpeg" bytes, "raw" pixel lists, "array" uint8 NCHW
     feature_columns: tuple[str, ...] = ()
+    input_dtype: str = ""  # a plug-in's x dtype; "" = the kind's own (int64 tokens, float32 otherwise)
 
 
 # ------------------------------------------------------------------ transform
@@ -156,9 +159,22 @@ def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: i
 
 def normalise_images(pixels: torch.Tensor, spec: DataSpec) -> torch.Tensor:
     """uint8 NCHW pixels -> the model's float inputs: what to_model_inputs does, in torch (on any device)."""
-    shift = torch.tensor(spec.mean, dtype=torch.float32, device=pixels.device).reshape(1, -1, 1, 1)
-    scale = torch.tensor(spec.std, dtype=torch.float32, device=pixels.device).reshape(1, -1, 1, 1)
+    shift, scale = _normalisation(tuple(spec.mean), tuple(spec.std), pixels.device)
     return (pixels.to(torch.float32) / 255.0 - shift) / scale
+
+
+@functools.cache
+def _normalisation(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The constants, made once per device: a torch.tensor(..., device=cuda) is a copy the host waits for."""
+    return tuple(torch.tensor(values, dtype=torch.float32, device=device).reshape(1, -1, 1, 1)
+                 for values in (mean, std))
+
+
+def padding_batch(spec: DataSpec, device) -> dict:
+    """One all-zero row shaped and typed as the model's input: what a rank that has run out of validation
+    batches runs, uncounted, while FSDP's forwards (collectives) keep every rank in lockstep."""
+    dtype = getattr(torch, spec.input_dtype or ("int64" if spec.kind == "tokens" else "float32"))
+    return {"x": torch.zeros((1, *spec.input_shape), dtype=dtype, device=device)}
 
 
 # ---------------------------------------------------------------- data specs
@@ -198,7 +214,7 @@ def plugin_plan(config: TrainConfig, dataset_fn, label: str) -> DataPlan:
     labels = sample["y"]
     num_classes = int(datasets["train"].max("y")) + 1 if labels.ndim == 1 else int(labels.max()) + 1
     spec = DataSpec("custom", tuple(sample["x"].shape[1:]), num_classes, datasets["train"].count(),
-                    datasets["val"].count())
+                    datasets["val"].count(), input_dtype=str(sample["x"].dtype))
     return DataPlan(spec, plugin_datasets={"train": datasets["train"], "val": datasets["val"]})
 
 
@@ -384,7 +400,7 @@ class _TrainStream:
             pieces += [(*piece, augment_seed) for piece in
                        epoch_pieces(source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)]
             self.last = epoch
-        # images cross the object store as uint8 and are normalised by the consumer (_to_torch)
+        # images cross the object store as uint8 and are normalised by the consumer (DeviceFeed)
         dataset = _tasks_dataset(source, _group_pieces(pieces, _task_rows(source.spec)), normalise=False)
         dataset.context.execution_options = shard.execution_options
         self._blocks = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
@@ -476,29 +492,75 @@ class TrainShard:
         return {**self.__dict__, "stream": None}
 
 
-def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) -> Iterable[dict]:
-    """This rank's torch batches of `epoch` (counted from 1): a function of (seed, epoch, rank, world size)."""
+def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) -> Iterator[dict]:
+    """This rank's torch batches of `epoch` (counted from 1) on `device`: a function of (seed, epoch, rank,
+    world size)."""
+    feed = DeviceFeed(shard.source.spec if isinstance(shard, TrainShard) else None, device)
+    for batch in host_batches(shard, config, epoch):
+        yield feed.receive(feed.send(batch))
+
+
+def host_batches(shard: TrainShard, config: TrainConfig, epoch: int) -> Iterable[dict]:
+    """This rank's batches of `epoch` as host tensors, images still uint8 (:class:`DeviceFeed` finishes them)."""
     if not isinstance(shard, TrainShard):  # a plug-in's dataset, already split (and reshuffled) by Ray Data
-        return shard.iter_torch_batches(batch_size=config.batch_size, device=device)
+        return shard.iter_torch_batches(batch_size=config.batch_size)
     shuffle_seed = _seed_of(config.seed, epoch, shard.rank)
     if shard.source.chunks:
         pieces = epoch_pieces(shard.source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
-        return _to_torch(_in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed),
-                         shard.source.spec, device)
+        return _to_torch(_in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed))
     if shard.stream is None or shard.stream.next_epoch != epoch:  # first epoch, a jump, or one left half read
         if shard.stream is not None:
             shard.stream.close()
         shard.stream = _TrainStream(shard, config, epoch)
     shard.stream.next_epoch = None
-    return _to_torch(shard.stream.epoch(epoch, config.batch_size, shuffle_seed), shard.source.spec, device)
+    return _to_torch(shard.stream.epoch(epoch, config.batch_size, shuffle_seed))
 
 
-def _to_torch(batches: Iterable[dict[str, np.ndarray]], spec: DataSpec, device) -> Iterator[dict]:
+def _to_torch(batches: Iterable[dict[str, np.ndarray]]) -> Iterator[dict]:
     for batch in batches:
-        batch = {name: torch.from_numpy(values).to(device) for name, values in batch.items()}
-        if batch["x"].dtype == torch.uint8:  # images, normalised here (on the GPU when there is one)
-            batch["x"] = normalise_images(batch["x"], spec)
-        yield batch
+        yield {name: torch.from_numpy(values) for name, values in batch.items()}
+
+
+class DeviceFeed:
+    """Host batches onto the training device with no host-device wait.
+
+    `send` starts a batch's copy: pinned (page-locked) host memory and
+    `non_blocking` copies, on a stream of their own, so the next batch travels
+    while the current one computes; uint8 images are normalised there too, with
+    constants made once per device. Ids stay on the host (only the loop's
+    bookkeeping reads them). `receive` makes the compute stream wait (on the
+    device, not the host) for that batch's copy. On CPU each of these is a
+    no-op, on the same code path.
+    """
+
+    def __init__(self, spec: DataSpec | None, device) -> None:
+        self.spec, self.device = spec, torch.device(device)
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def send(self, batch: dict) -> tuple[dict, object]:
+        """(the batch with its tensors on the device, still arriving; what `receive` waits for)."""
+        stream = self._copy_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            moved = {name: self._copy(values) if name != "id" and isinstance(values, torch.Tensor) else values
+                     for name, values in batch.items()}
+            if moved["x"].dtype == torch.uint8:  # images, normalised where the batch is used
+                moved["x"] = normalise_images(moved["x"], self.spec)
+            return moved, stream.record_event() if stream is not None else None
+
+    def receive(self, sent: tuple[dict, object]) -> dict:
+        batch, copied = sent
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            for values in batch.values():
+                if isinstance(values, torch.Tensor) and values.device.type == "cuda":
+                    values.record_stream(compute)  # memory made on the copy stream, freed after compute used it
+        return batch
+
+    def _copy(self, values: torch.Tensor) -> torch.Tensor:
+        if self._copy_stream is not None:
+            values = values.pin_memory()  # from PyTorch's caching host allocator: reused, not re-pinned
+        return values.to(self.device, non_blocking=True)
 
 
 def _in_memory_batches(source: SplitSource, pieces: list[tuple[int, int, int]], batch_size: int,

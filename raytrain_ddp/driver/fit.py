@@ -37,6 +37,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
 from raytrain_ddp.report import write_report
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
+from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
 
 log = logging.getLogger("raytrain_ddp")
@@ -179,7 +180,7 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: d
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
-                           "plugins": plugins, "test_delays": _test_delays()},
+                           "plugins": plugins},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=config.use_gpu,
                                      resources_per_worker={"CPU": config.cpus_per_worker}),
         run_config=RunConfig(
@@ -195,19 +196,6 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: d
     )
 
 
-def _test_delays() -> dict:
-    """Test-only switches, from the environment:
-
-    RAYTRAIN_TEST_STALL=rank:epoch:step:seconds  that rank sleeps once, in that step;
-    RAYTRAIN_TEST_SLOW_DATA=rank:seconds          that rank waits this long for every batch.
-    """
-    delays = {}
-    for key, variable in (("stall", "RAYTRAIN_TEST_STALL"), ("slow_data", "RAYTRAIN_TEST_SLOW_DATA")):
-        if os.environ.get(variable):
-            delays[key] = [float(v) for v in os.environ[variable].split(":")]
-    return delays
-
-
 def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> dict:
     """Import the plug-ins the config names (a typo fails here, in one line); what the workers need to find them.
 
@@ -216,10 +204,12 @@ def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn
     paths = [(flag, path) for flag, path in (("--model", config.model), ("--dataset", config.dataset),
                                                ("--loss", config.loss)) if path and is_import_path(path)]
     loaded = {flag: load_object(path, flag) for flag, path in paths}
+    hooks, hooks_roots = hooks_from_environment()
     for field_name, fn in (("model", model_fn), ("dataset", dataset_fn), ("loss", loss_fn)):
         if fn is not None:
             setattr(config, field_name, describe(fn))
-    return {"import_roots": sorted({root for _, path in paths if (root := import_root(path))}),
+    return {"import_roots": sorted({root for _, path in paths if (root := import_root(path))} | set(hooks_roots)),
+            "hooks": hooks,
             "model_fn": model_fn, "loss_fn": loss_fn,
             "dataset_fn": dataset_fn or loaded.get("--dataset"), "dataset_label": repr(config.dataset)}
 

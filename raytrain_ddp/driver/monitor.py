@@ -73,20 +73,36 @@ STRAGGLER_MIN_EXCESS_S = 0.25  # below this, waiting is noise, not a bottleneck
 
 
 def find_stragglers(record: dict) -> list[dict]:
-    """Ranks whose data wait stands far above the others' median.
+    """Ranks whose data wait stands far above the others' median, and the rank slow in compute.
 
     In DDP a rank slow for any reason makes every rank slow: the others wait
     for it inside the all-reduce, so their step time grows as much as its own.
     Step time cannot name the culprit; time spent waiting for the next batch
-    can, and it says "this rank's input pipeline is the bottleneck".
+    can, and it says "this rank's input pipeline is the bottleneck"; so can the
+    time each rank waits inside the gradient all-reduce (the slow rank waits least).
     """
     waits = record.get("data_wait_seconds_per_rank") or []
     if len(waits) < 2:
         return []
     median = statistics.median(waits)
-    return [{"rank": rank, "why": f"data wait {wait:.3g}s vs median {median:.3g}s over the epoch: "
-                                  "its input pipeline is the bottleneck"}
-            for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)]
+    stragglers = [{"rank": rank, "why": f"data wait {wait:.3g}s vs median {median:.3g}s over the epoch: "
+                                        "its input pipeline is the bottleneck"}
+                  for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)]
+    return stragglers + _slow_in_compute(record, {straggler["rank"] for straggler in stragglers})
+
+
+def _slow_in_compute(record: dict, slow_in_data: set[int]) -> list[dict]:
+    """The rank the others wait for inside the gradient all-reduce: it waits least there (it arrives last),
+    unless its lateness is its data wait, flagged already."""
+    waits = record.get("allreduce_wait_seconds_per_rank") or []
+    if len(waits) < 2 or None in waits:
+        return []
+    rank = min(range(len(waits)), key=waits.__getitem__)
+    others = min(wait for other, wait in enumerate(waits) if other != rank)
+    if rank in slow_in_data or others - waits[rank] <= max(0.5 * others, STRAGGLER_MIN_EXCESS_S):
+        return []
+    return [{"rank": rank, "why": f"all-reduce wait {waits[rank]:.3g}s while every other rank waits "
+                                  f">= {others:.3g}s for it over the epoch: its compute is the bottleneck"}]
 
 
 TABLE_HEADER = f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val loss':>8}  {'val acc':>7}  {'samples/s':>9}  {'time':>6}"
@@ -207,13 +223,16 @@ class RunRecorder:
             "global_batch_size": self.config.global_batch_for(len(ranks)),
             "samples_per_second": sum(samples) / seconds,
             "samples_per_rank": samples,
-            "steps_per_rank": [m["steps"] for m in ranks],
+            "micro_batches_per_rank": [m["micro_batches"] for m in ranks],
+            "steps_per_rank": [m["micro_batches"] for m in ranks],  # the old name of micro_batches_per_rank
             "optimizer_steps_per_rank": [m["optimizer_steps"] for m in ranks],
             "skipped_steps_per_rank": [m["skipped_steps"] for m in ranks],
             "grad_allreduces_per_rank": [m["grad_allreduces"] for m in ranks],
             "lr": first["lr"],
             "data_wait_seconds_per_rank": [round(m["data_wait_seconds"], 4) for m in ranks],
             "step_seconds_per_rank": [round(m["step_seconds"], 5) for m in ranks],
+            "allreduce_wait_seconds_per_rank": [None if m.get("allreduce_wait_seconds") is None
+                                                else round(m["allreduce_wait_seconds"], 4) for m in ranks],
             "seconds": seconds,
         }
         if "gpu_memory_peak_gib" in first:

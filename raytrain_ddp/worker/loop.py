@@ -11,11 +11,13 @@ next agreed step boundary with a checkpoint that resumes mid-epoch.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -25,18 +27,21 @@ import torch
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, epoch_batches
+from raytrain_ddp.data.pipeline import DataSpec, DeviceFeed, host_batches, padding_batch
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
+from raytrain_ddp.worker.hooks import WorkerHooks, worker_hooks
 from raytrain_ddp.worker.metrics import (
     EpochMeter,
     Heartbeat,
+    StepClock,
     all_ranks_agree,
     check_finite,
     default_loss,
     evaluate,
+    monitor_post,
     parameter_checksum,
     sync_buffers,
 )
@@ -78,39 +83,54 @@ def _label_worker_logs(rank: int) -> None:
     log.propagate = False
 
 
-def timed_batches(batches, meter: EpochMeter, slow_data_s: float = 0.0) -> Iterator[tuple[dict, bool]]:
-    """(batch, is_last) pairs, one batch ahead, adding the time spent waiting for data to the meter.
+def fed_batches(batches: Iterable[dict], feed: DeviceFeed, meter: EpochMeter, hooks: WorkerHooks,
+                rank: int) -> Iterator[tuple[dict, bool]]:
+    """(device batch, is_last) pairs, the next batch's copy started before the current one is handed out.
 
-    Knowing the last batch lets a gradient-accumulation group that the epoch
-    cuts short still end with a synchronising step.
+    The meter's data wait times only the host-side fetch: the copies are
+    asynchronous, so it never includes waiting for the device. Knowing the last
+    batch lets a gradient-accumulation group that the epoch cuts short still
+    end with a synchronising step.
     """
     iterator = iter(batches)
 
     def fetch():
         waited_from = time.perf_counter()
+        hooks.on_fetch(rank)
         batch = next(iterator, None)
-        time.sleep(slow_data_s)
         meter.data_wait_s += time.perf_counter() - waited_from
-        return batch
+        return None if batch is None else feed.send(batch)
 
-    batch = fetch()
-    while batch is not None:
+    sent = fetch()
+    while sent is not None:
         following = fetch()
-        yield batch, following is None
-        batch = following
+        yield feed.receive(sent), following is None
+        sent = following
+
+
+@dataclass
+class EpochRun:
+    """What one epoch of training leaves for validation, the epoch record and a stop checkpoint."""
+
+    meter: EpochMeter
+    optimizer_steps: int = 0  # this epoch's, counting those done before a resume
+    skipped_steps: int = 0
+    stop_reason: str | None = None
+    seen_ids: list = field(default_factory=list)
+    train_seconds: float = 0.0
+    compute_seconds: float = 0.0  # see StepClock
 
 
 class Trainer:
     """Model, optimizer, schedule and scaler of one rank, and the two things done with them per batch."""
 
-    def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, plugins: dict):
-        self.config, self.device = config, device
+    def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, plugins: dict, world_size: int):
+        self.config, self.device, self.world_size = config, device, world_size
         # The same seed on every rank gives the same initial weights (DDP also
         # broadcasts rank zero's at wrap time); the data order comes from Ray Data.
         torch.manual_seed(config.seed)
         model = build_model(config, spec, plugins.get("model_fn"))
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
-        self.world_size = ray.train.get_context().get_world_size()  # elastic runs: this attempt's
         self.optimizer = make_optimizer(config, self.model, self.world_size)  # after FSDP: it steps the local shards
         self.epoch_steps = steps_per_epoch(spec.train_rows // self.world_size, config)
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
@@ -132,7 +152,7 @@ class Trainer:
             resume_schedule(self.scheduler, self.config.lr_for(self.world_size), position.epoch * self.epoch_steps)
         return position
 
-    def micro_step(self, batch: dict, synchronise: bool) -> torch.Tensor:
+    def micro_batch(self, batch: dict, synchronise: bool) -> torch.Tensor:
         """Forward and backward on one micro-batch; gradients are all-reduced only when `synchronise`."""
         x = batch["x"].contiguous(memory_format=torch.channels_last) if self.config.channels_last else batch["x"]
         with (strategy.no_grad_sync(self.model, self.config) if not synchronise else contextlib.nullcontext()):
@@ -173,110 +193,166 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
-    config = TrainConfig(**loop_config["config"])
-    spec = DataSpec(**loop_config["spec"])
-    monitor, plugins = loop_config["monitor"], loop_config["plugins"]
-    run_info = {"config": loop_config["config"], "data_spec": loop_config["spec"]}
-    add_import_roots(plugins["import_roots"])
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
-    device = ray.train.torch.get_device()
-    monitor.worker_started.remote(rank, {
-        "rank": rank, "world_size": context.get_world_size(), "hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
-        "device": str(device), "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-    })
-    _label_worker_logs(rank)
-    heartbeat = Heartbeat(monitor, rank)
-    delays = loop_config.get("test_delays", {})  # test-only switches, see driver/fit.py
-    stall, slow_data = delays.get("stall"), delays.get("slow_data")
-    slow_data_s = slow_data[1] if slow_data and rank == slow_data[0] else 0.0
+class WorkerLoop:
+    """One rank's run: the pieces `train_loop_per_worker` strings together, in its order."""
 
-    trainer = Trainer(config, spec, device, plugins)
-    position = ckpt.Position()
-    if (resume_from := ray.train.get_checkpoint()) is not None:
-        position = trainer.restore(ckpt.load(resume_from))
-        log.info("rank %d resumed from %s after epoch %d%s", rank, resume_from.path, position.epoch,
-                 f" and {position.step_in_epoch} steps of the next" if position.step_in_epoch else "")
+    def __init__(self, loop_config: dict) -> None:
+        self.config = config = TrainConfig(**loop_config["config"])
+        self.spec = DataSpec(**loop_config["spec"])
+        self.monitor, plugins = loop_config["monitor"], loop_config["plugins"]
+        self.run_info = {"config": loop_config["config"], "data_spec": loop_config["spec"]}
+        add_import_roots(plugins["import_roots"])
+        self.hooks = worker_hooks(plugins.get("hooks"))
+        context = ray.train.get_context()
+        self.rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic runs: this attempt's
+        self.device = device = ray.train.torch.get_device()
+        self.monitor.worker_started.remote(self.rank, {
+            "rank": self.rank, "world_size": world_size, "hostname": socket.gethostname(),
+            "node_ip": ray.util.get_node_ip_address(), "device": str(device), "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        })
+        _label_worker_logs(self.rank)
+        self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
+        self.trainer = Trainer(config, self.spec, device, plugins, world_size)
+        self.feed = DeviceFeed(self.spec, device)
+        self.train_shard = ray.train.get_dataset_shard("train")
+        self.val_shard = ray.train.get_dataset_shard("val")
+        self.position = ckpt.Position()
 
-    log.info("training on %s from epoch %d", device, position.epoch + 1)
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
-    for epoch in range(position.epoch + 1, config.epochs + 1):  # epochs count from 1
-        trainer.model.train()
-        meter = EpochMeter()
-        heartbeat.at("training", epoch, meter)
-        seen_ids = []
+    def resume(self) -> ckpt.Position:
+        """Where training starts: after the checkpoint Ray Train hands over, if any."""
+        if (resume_from := ray.train.get_checkpoint()) is not None:
+            self.position = self.trainer.restore(ckpt.load(resume_from))
+            log.info("rank %d resumed from %s after epoch %d%s", self.rank, resume_from.path, self.position.epoch,
+                     f" and {self.position.step_in_epoch} optimizer steps of the next"
+                     if self.position.step_in_epoch else "")
+        log.info("training on %s from epoch %d", self.device, self.position.epoch + 1)
+        return self.position
+
+    def train_epoch(self, epoch: int) -> EpochRun:
+        """This rank's shard of `epoch`, until it ends or every rank agrees to stop."""
+        config, meter = self.config, EpochMeter(skip_nonfinite=self.config.skip_nonfinite)
+        self.trainer.model.train()
+        self.heartbeat.at("training", epoch, meter)
+        run, clock = EpochRun(meter), StepClock(self.device)
         # A run stopped mid-epoch resumes after the micro-batches it had already trained on.
-        skip_micro_batches = position.step_in_epoch * config.grad_accum if epoch == position.epoch + 1 else 0
-        steps_in_epoch, skipped_steps, stop_reason = position.step_in_epoch if skip_micro_batches else 0, 0, None
-        batches = epoch_batches(train_shard, config, epoch, device)
-        for micro, (batch, is_last) in enumerate(timed_batches(batches, meter, slow_data_s), start=1):
-            if micro <= skip_micro_batches:
-                continue
-            meter.steps_started += 1
-            synchronise = micro % config.grad_accum == 0 or is_last
-            loss = trainer.micro_step(batch, synchronise)
-            if not config.skip_nonfinite or bool(torch.isfinite(loss)):
-                meter.add(loss, len(batch["y"]))
-            if config.record_sample_ids:
-                seen_ids.append(batch["id"].cpu().numpy())
-            if meter.steps % NAN_CHECK_EVERY == 0 and not config.skip_nonfinite:
-                check_finite(meter.mean_loss(), rank, epoch, meter.steps)
-            if stall and [rank, epoch, meter.steps] == stall[:3]:
-                time.sleep(stall[3])
-            if not synchronise:
-                continue
-            skipped_steps += not trainer.optimizer_step()
-            steps_in_epoch += 1
-            position.global_step += 1
-            if position.global_step % STOP_CHECK_EVERY == 0 and not is_last and \
-                    all_ranks_agree(heartbeat.stop_reason is not None, device):
-                stop_reason = heartbeat.stop_reason or "another rank was asked to stop"
+        done = self.position.step_in_epoch if epoch == self.position.epoch + 1 else 0
+        run.optimizer_steps = done
+        batches = itertools.islice(host_batches(self.train_shard, config, epoch), done * config.grad_accum, None)
+        fed = fed_batches(batches, self.feed, meter, self.hooks, self.rank)
+        for micro_batch, (batch, is_last) in enumerate(fed, start=done * config.grad_accum + 1):
+            if self.train_micro_batch(run, epoch, micro_batch, batch, is_last):
                 break
+        run.train_seconds, run.compute_seconds = meter.seconds(), clock.seconds(meter)
+        if not run.stop_reason:
+            self.check_loss(epoch, meter)
+        return run
 
-        if stop_reason:  # preempted mid-epoch: save where we are, resume from exactly here
-            heartbeat.at("checkpointing", epoch, meter)
-            stopped_at = ckpt.Position(epoch - 1, steps_in_epoch, position.global_step)
-            log.info("stopping at epoch %d, step %d: %s", epoch, steps_in_epoch, stop_reason)
-            trainer.checkpoint(stopped_at, {"epoch": epoch - 1, "step_in_epoch": steps_in_epoch,
-                                            "val_accuracy": float("-inf"), "stopped": stop_reason}, run_info, rank)
-            return
+    def train_micro_batch(self, run: EpochRun, epoch: int, micro_batch: int, batch: dict, is_last: bool) -> bool:
+        """One micro-batch, and the optimizer step that ends its group. True when every rank agreed to stop.
 
-        train_seconds = meter.seconds()
-        if not config.skip_nonfinite:
-            check_finite(meter.mean_loss(), rank, epoch, meter.steps)
+        The host waits for the device only at the cadences: the loss every
+        NAN_CHECK_EVERY micro-batches, the stop flag every STOP_CHECK_EVERY
+        optimizer steps (see docs/gpu.md).
+        """
+        config, meter, trainer = self.config, run.meter, self.trainer
+        meter.micro_batches_started += 1
+        synchronise = micro_batch % config.grad_accum == 0 or is_last
+        meter.add(trainer.micro_batch(batch, synchronise), len(batch["y"]))
         if config.record_sample_ids:
-            save_sample_ids(config, epoch, rank, seen_ids)
-        heartbeat.at("validating", epoch, meter)
-        sync_buffers(trainer.model)
+            run.seen_ids.append(batch["id"].numpy())  # ids never leave the host
+        if meter.micro_batches % NAN_CHECK_EVERY == 0:
+            self.check_loss(epoch, meter)
+        self.hooks.on_micro_batch(self.rank, epoch, micro_batch)
+        if not synchronise:
+            return False
+        run.skipped_steps += not trainer.optimizer_step()
+        run.optimizer_steps += 1
+        self.hooks.on_optimizer_step(self.rank, epoch, run.optimizer_steps)
+        self.position.global_step += 1
+        if self.position.global_step % STOP_CHECK_EVERY == 0 and not is_last and self.stop_agreed():
+            run.stop_reason = self.heartbeat.stop_reason or "another rank was asked to stop"
+            return True
+        return False
+
+    def check_loss(self, epoch: int, meter: EpochMeter) -> None:
+        """Refresh the host copy of the loss (the heartbeat's); stop on NaN/inf unless skipping them."""
+        loss = meter.refresh_loss()
+        if not self.config.skip_nonfinite:
+            check_finite(loss, self.rank, epoch, meter.micro_batches)
+
+    def stop_agreed(self) -> bool:
+        return all_ranks_agree(self.heartbeat.stop_reason is not None, self.device)
+
+    def stop_checkpoint(self, epoch: int, run: EpochRun) -> None:
+        """Preempted mid-epoch: save where we are, to resume from exactly here."""
+        self.heartbeat.at("checkpointing", epoch, run.meter)
+        stopped_at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step)
+        log.info("stopping at epoch %d, optimizer step %d: %s", epoch, run.optimizer_steps, run.stop_reason)
+        self.trainer.checkpoint(stopped_at, {"epoch": epoch - 1, "step_in_epoch": run.optimizer_steps,
+                                             "val_accuracy": float("-inf"), "stopped": run.stop_reason},
+                                self.run_info, self.rank)
+
+    def validate(self, epoch: int, run: EpochRun) -> dict:
+        """Validation over all ranks' shards, with rank zero's buffers everywhere."""
+        self.heartbeat.at("validating", epoch, run.meter)
+        model, config = self.trainer.model, self.config
+        sync_buffers(model)
         # DDP: the bare module, not the wrapper: a DDP forward is itself a collective
         # (buffer broadcast), and ranks may hold different numbers of val batches.
         # FSDP: the sharded model, every rank in lockstep (its forward all-gathers).
         fsdp = config.strategy == "fsdp"
-        val_batches = val_shard.iter_torch_batches(batch_size=config.batch_size, device=device)
-        val_metrics = evaluate(trainer.model if fsdp else strategy.unwrap(trainer.model), val_batches,
-                               trainer.loss_fn, device, lockstep_padding=batch if fsdp else None)
+        val_batches = self.val_shard.iter_torch_batches(batch_size=config.batch_size, device=self.device)
+        return evaluate(model if fsdp else strategy.unwrap(model), val_batches, self.trainer.loss_fn, self.device,
+                        lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None)
+
+    def report_epoch(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
+        """This rank's epoch record to the driver, which aggregates the ranks' into metrics.jsonl."""
+        config, meter, trainer = self.config, run.meter, self.trainer
+        if config.record_sample_ids:
+            save_sample_ids(config, epoch, self.rank, run.seen_ids)
+        micro_batches = meter.micro_batches
         rank_metrics = {
-            "epoch": epoch, "rank": rank, "train_loss": meter.mean_loss(), "samples": meter.samples,
-            "steps": meter.steps, "optimizer_steps": steps_in_epoch, "skipped_steps": skipped_steps,
+            "epoch": epoch, "rank": self.rank, "train_loss": meter.loss, "samples": meter.samples,
+            "micro_batches": micro_batches, "steps": micro_batches,  # "steps": the old name, for one release
+            "optimizer_steps": run.optimizer_steps, "skipped_steps": run.skipped_steps,
             "grad_allreduces": trainer.grad_syncs.calls if config.strategy == "ddp" else None,  # FSDP: not counted
-            "lr": trainer.lr, "train_seconds": train_seconds, "data_wait_seconds": meter.data_wait_s,
-            "step_seconds": (train_seconds - meter.data_wait_s) / max(meter.steps, 1), **val_metrics,
+            "lr": trainer.lr, "train_seconds": run.train_seconds, "data_wait_seconds": meter.data_wait_s,
+            "step_seconds": run.compute_seconds / max(micro_batches, 1), **val_metrics,
         }
-        trainer.grad_syncs.calls = 0
-        if device.type == "cuda":
-            rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.reset_peak_memory_stats(device)
-        ray.get(monitor.epoch_finished.remote(rank, rank_metrics))
+        # gloo completes a future when its all-reduce has; NCCL's may complete at enqueue: no wait measured there
+        rank_metrics["allreduce_wait_seconds"] = (trainer.grad_syncs.wait_s if config.strategy == "ddp"
+                                                  and self.device.type == "cpu" else None)
+        trainer.grad_syncs.calls, trainer.grad_syncs.wait_s = 0, 0.0
+        if self.device.type == "cuda":
+            rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
+        ray.get(self.monitor.epoch_finished.remote(self.rank, rank_metrics))
 
-        # Rank zero alone writes the checkpoint; every rank reports, so Ray
-        # Train sees the whole group finish the epoch and keeps the best one.
-        heartbeat.at("checkpointing", epoch, meter)
-        position = ckpt.Position(epoch, 0, position.global_step)
-        trainer.checkpoint(position, {"epoch": epoch, **val_metrics}, run_info, rank)
-        if epoch < config.epochs and all_ranks_agree(heartbeat.stop_reason is not None, device):
-            log.info("stopping after epoch %d: %s", epoch, heartbeat.stop_reason or "another rank was asked to stop")
+    def checkpoint(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
+        """Rank zero alone writes the checkpoint; every rank reports, so Ray Train sees the whole group finish
+        the epoch and keeps the best one."""
+        self.heartbeat.at("checkpointing", epoch, run.meter)
+        self.position = ckpt.Position(epoch, 0, self.position.global_step)
+        self.trainer.checkpoint(self.position, {"epoch": epoch, **val_metrics}, self.run_info, self.rank)
+
+    def finish(self) -> None:
+        ray.get(self.monitor.worker_finished.remote(self.rank, parameter_checksum(strategy.unwrap(self.trainer.model))))
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    worker = WorkerLoop(loop_config)
+    position = worker.resume()
+    for epoch in range(position.epoch + 1, worker.config.epochs + 1):  # epochs count from 1
+        run = worker.train_epoch(epoch)
+        if run.stop_reason:
+            worker.stop_checkpoint(epoch, run)
             return
-
-    ray.get(monitor.worker_finished.remote(rank, parameter_checksum(strategy.unwrap(trainer.model))))
+        val_metrics = worker.validate(epoch, run)
+        worker.report_epoch(epoch, run, val_metrics)
+        worker.checkpoint(epoch, run, val_metrics)
+        if epoch < worker.config.epochs and worker.stop_agreed():
+            log.info("stopping after epoch %d: %s", epoch,
+                     worker.heartbeat.stop_reason or "another rank was asked to stop")
+            return
+    worker.finish()

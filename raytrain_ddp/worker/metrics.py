@@ -17,41 +17,81 @@ from torch import nn
 
 @dataclass
 class EpochMeter:
-    """One rank's view of one training epoch."""
+    """One rank's view of one training epoch, in micro-batches (one forward and backward each).
+
+    The loss is summed on the device (no sync per micro-batch); `loss` is its
+    host copy, refreshed only where the loop syncs anyway (`refresh_loss`), so
+    that the heartbeat thread never touches the device.
+    """
 
     samples: int = 0
-    steps: int = 0
-    steps_started: int = 0  # one ahead of `steps` while a step runs (or hangs in its all-reduce)
-    loss_sum: torch.Tensor | None = None  # kept on the device: no sync per step
+    micro_batches: int = 0
+    micro_batches_started: int = 0  # one ahead of `micro_batches` while one runs (or hangs in its all-reduce)
+    loss: float = float("nan")  # mean training loss so far, as of the last refresh
     data_wait_s: float = 0.0
+    skip_nonfinite: bool = False  # leave NaN/inf losses out of the mean (decided on the device)
     started: float = field(default_factory=time.perf_counter)
+    _sums: torch.Tensor | None = None  # on the device: [weighted loss sum, samples counted]
 
     def add(self, loss: torch.Tensor, batch_size: int) -> None:
-        weighted = loss.detach() * batch_size
-        self.loss_sum = weighted if self.loss_sum is None else self.loss_sum + weighted
+        """Count a micro-batch's loss."""
+        loss = loss.detach().float()
+        weight = torch.full_like(loss, batch_size)
+        if self.skip_nonfinite:
+            finite = torch.isfinite(loss)
+            loss, weight = torch.where(finite, loss, 0.0), torch.where(finite, weight, 0.0)
+        sums = torch.stack([loss * weight, weight])
+        self._sums = sums if self._sums is None else self._sums + sums
         self.samples += batch_size
-        self.steps += 1
+        self.micro_batches += 1
 
-    def mean_loss(self) -> float:
-        return float(self.loss_sum.item()) / max(self.samples, 1) if self.samples else float("nan")
+    def refresh_loss(self) -> float:
+        """The mean loss so far, read from the device (one sync): call only at the documented cadences."""
+        if self._sums is not None:
+            loss_sum, counted = self._sums.tolist()
+            self.loss = loss_sum / counted if counted else float("nan")
+        return self.loss
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
 
 
+class StepClock:
+    """Compute time of an epoch's micro-batches: CUDA events on a GPU (what the device spent, host running
+    ahead or not), wall clock less the data wait on CPU, where the host is the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        self._started = time.perf_counter()
+
+    def seconds(self, meter: EpochMeter) -> float:
+        """Read once, at the epoch's end (on a GPU: waits for the epoch's last kernel, a sync point anyway)."""
+        if not self.cuda:
+            return time.perf_counter() - self._started - meter.data_wait_s
+        self._end.record()
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1000
+
+
 class Heartbeat:
     """Tells the driver where this rank is, once a second, from a thread of its own.
 
-    The loop only sets attributes (no call, no sync per step); the thread posts
-    them fire-and-forget, and keeps posting while the loop is blocked, so the
-    driver's watchdog sees every rank's position during a hang. A rank stuck
-    inside a collective has *started* one step more than the rank it waits for.
+    The loop only sets attributes (no call, no sync per micro-batch); the thread
+    posts them with `post(rank, epoch, micro_batches_started, samples, loss,
+    phase)`, which answers a stop reason or None, and keeps posting while the
+    loop is blocked, so the driver's watchdog sees every rank's position during
+    a hang. It reads host values only: a device read would queue behind the
+    very kernel (an NCCL all-reduce) that hangs. A rank stuck inside a
+    collective has *started* one micro-batch more than the rank it waits for.
     """
 
     INTERVAL_S = 1.0
 
-    def __init__(self, monitor, rank: int) -> None:
-        self.monitor, self.rank = monitor, rank
+    def __init__(self, post, rank: int) -> None:
+        self.post, self.rank = post, rank
         self.phase, self.epoch, self.meter = "starting", 0, EpochMeter()
         self.stop_reason: str | None = None  # set when the driver asks the run to stop (preemption)
         threading.Thread(target=self._post_forever, daemon=True, name="heartbeat").start()
@@ -63,13 +103,18 @@ class Heartbeat:
         while True:
             time.sleep(self.INTERVAL_S)
             meter = self.meter
-            loss = meter.mean_loss() if meter.samples else float("nan")
-            answer = self.monitor.progress.remote(self.rank, self.epoch, meter.steps_started, meter.samples, loss,
-                                                  self.phase)
             try:
-                self.stop_reason = ray.get(answer, timeout=30) or self.stop_reason
+                self.stop_reason = self.post(self.rank, self.epoch, meter.micro_batches_started, meter.samples,
+                                             meter.loss, self.phase) or self.stop_reason
             except Exception:  # the monitor restarting or busy: keep beating, ask again next time
                 continue
+
+
+def monitor_post(monitor):
+    """Heartbeat's `post` for the driver's monitor actor."""
+    def post(*progress):
+        return ray.get(monitor.progress.remote(*progress), timeout=30)
+    return post
 
 
 def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -81,9 +126,9 @@ def all_ranks_agree(local_flag: bool, device: torch.device) -> bool:
     """True on every rank iff it is true on any rank (a collective: call at the same step everywhere)."""
     if not dist.is_initialized():
         return local_flag
-    flag = torch.tensor([float(local_flag)], device=device)
+    flag = torch.full((1,), float(local_flag), device=device)  # a fill, not a copy from the host
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return bool(flag.item())  # the one sync
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ number of workers.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import ray.train.torch
@@ -33,14 +34,22 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class GradSyncCounter:
-    """Gradient all-reduces DDP has launched (one per bucket per synchronising backward)."""
+    """Gradient all-reduces DDP has launched (one per bucket per synchronising backward), and the seconds
+    from each launch to its completion: long on a rank whose peers arrive late, short on the latest one."""
 
     calls: int = 0
+    wait_s: float = 0.0
 
 
 def _counting_allreduce(counter: GradSyncCounter, bucket):  # no annotations: DDP checks them, and ours are strings
     counter.calls += 1
-    return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
+    launched = time.perf_counter()
+
+    def completed(future):
+        counter.wait_s += time.perf_counter() - launched
+        return future.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(completed)  # None: the default process group
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,100 @@
+"""The training step never makes the host wait for the device outside the documented cadences, and the
+heartbeat never touches the device."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+FIRST, LAST = 5, 125  # the steady micro-batches counted: after the first few, before the epoch's end
+
+
+@pytest.mark.ray
+def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path, monkeypatch):
+    from raytrain_ddp import TrainConfig, fit
+    from raytrain_ddp.worker.loop import NAN_CHECK_EVERY, STOP_CHECK_EVERY
+
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:CountSyncs")
+    monkeypatch.setenv("RAYTRAIN_TEST_COUNT_SYNCS", f"{counts}:{FIRST}:{LAST}")
+    # 130 micro-batches per rank; ids recorded, so their path is counted too
+    result = fit(TrainConfig(num_workers=2, epochs=1, dataset="synthetic-tabular", model="mlp", train_size=2080,
+                             val_size=64, batch_size=8, record_sample_ids=True, storage_path=str(tmp_path),
+                             name="syncs"))
+    assert result.ok, result.summary["error"]
+    # in the window: the loss check of micro-batches FIRST+1..LAST, the stop checks after optimizer steps
+    # FIRST..LAST-1 (one micro-batch per step); each of them reads one value from the device
+    loss_checks = sum(m % NAN_CHECK_EVERY == 0 for m in range(FIRST + 1, LAST + 1))
+    stop_checks = sum(s % STOP_CHECK_EVERY == 0 for s in range(FIRST, LAST))
+    assert loss_checks == 1 and stop_checks == 12
+    for rank in (0, 1):
+        seen = json.loads((counts / f"rank-{rank}.json").read_text())
+        assert seen["count"] == loss_checks + stop_checks, seen["calls"]
+
+
+def _blocked_rank(rank: int, store_dir: str, result_file: str) -> None:
+    """Rank 0 sits in an all-reduce, heartbeat running, until rank 1 has seen it post three times."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_ddp.worker.metrics import EpochMeter, Heartbeat
+
+    import worker_hooks
+
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=2)
+    posts = Path(store_dir) / "posts"
+    if rank == 1:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not posts.exists() or int(posts.read_text() or 0) < 3):
+            time.sleep(0.05)
+        dist.all_reduce(torch.ones(1))
+        return
+    heartbeat_calls = []
+    worker_hooks.count_synchronising_calls(
+        lambda name: heartbeat_calls.append(name) if threading.current_thread().name == "heartbeat" else None)
+    meter = EpochMeter()
+    meter.add(torch.tensor(2.0), 4)
+    meter.refresh_loss()  # what the loop does at its loss-check cadence
+    meter.add(torch.tensor(10.0), 4)  # on the device, not yet read back
+    in_collective = threading.Event()
+    posted = []
+
+    def post(rank, epoch, micro_batches_started, samples, loss, phase):
+        posted.append((epoch, micro_batches_started, samples, loss, phase))
+        if in_collective.is_set():
+            during = sum(1 for p in posted if p[4] == "training")
+            posts.write_text(str(during))
+
+    Heartbeat.INTERVAL_S = 0.1
+    heartbeat = Heartbeat(post, rank)
+    meter.micro_batches_started = 2
+    heartbeat.at("training", 1, meter)
+    posted.clear()
+    in_collective.set()
+    dist.all_reduce(torch.ones(1))  # waits for rank 1, which waits for our heartbeats
+    during = [p for p in posted if p[4] == "training"]
+    Path(result_file).write_text(json.dumps({"posts": len(during), "last": during[-1] if during else None,
+                                             "heartbeat_calls": heartbeat_calls}))
+    dist.destroy_process_group()
+
+
+def test_heartbeat_posts_host_values_while_the_training_thread_waits_in_a_collective(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    result_file = tmp_path / "result.json"
+    ranks = [context.Process(target=_blocked_rank, args=(rank, str(tmp_path), str(result_file))) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=180)
+        assert process.exitcode == 0
+    result = json.loads(result_file.read_text())
+    assert result["posts"] >= 3  # rank 1 released the collective only after seeing them
+    assert result["heartbeat_calls"] == []  # the thread never read a tensor
+    assert result["last"] == [1, 2, 8, 2.0, "training"]  # the loss as of the last refresh

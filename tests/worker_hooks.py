@@ -1,0 +1,119 @@
+"""Worker hooks the tests install with RAYTRAIN_WORKER_HOOKS=worker_hooks:<name>.
+
+Each factory runs in the driver, so parameters come from the test's environment
+and travel to the workers inside the pickled object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from raytrain_ddp.worker.hooks import WorkerHooks
+
+
+def _numbers(variable: str) -> list[float]:
+    return [float(v) for v in os.environ[variable].split(":")]
+
+
+class Stall(WorkerHooks):
+    """RAYTRAIN_TEST_STALL=rank:epoch:micro_batch:seconds: that rank sleeps once, after that micro-batch."""
+
+    def __init__(self) -> None:
+        rank, epoch, micro_batch, self.seconds = _numbers("RAYTRAIN_TEST_STALL")
+        self.at = (int(rank), int(epoch), int(micro_batch))
+
+    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
+        if (rank, epoch, micro_batch) == self.at:
+            time.sleep(self.seconds)
+
+
+class SlowData(WorkerHooks):
+    """RAYTRAIN_TEST_SLOW_DATA=rank:seconds: that rank waits this long for every batch."""
+
+    def __init__(self) -> None:
+        rank, self.seconds = _numbers("RAYTRAIN_TEST_SLOW_DATA")
+        self.rank = int(rank)
+
+    def on_fetch(self, rank: int) -> None:
+        if rank == self.rank:
+            time.sleep(self.seconds)
+
+
+class SlowCompute(WorkerHooks):
+    """RAYTRAIN_TEST_SLOW_COMPUTE=rank:seconds: that rank spends this long more on every micro-batch."""
+
+    def __init__(self) -> None:
+        rank, self.seconds = _numbers("RAYTRAIN_TEST_SLOW_COMPUTE")
+        self.rank = int(rank)
+
+    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
+        if rank == self.rank:
+            time.sleep(self.seconds)
+
+
+class CountSyncs(WorkerHooks):
+    """RAYTRAIN_TEST_COUNT_SYNCS=directory:first:last: each rank counts the calls that make the host wait for
+    the device, from the end of micro-batch `first` of epoch 1 to the end of micro-batch `last`, in every
+    thread of its process, and writes {"count": n, "calls": {...}} to directory/rank-R.json."""
+
+    def __init__(self) -> None:
+        directory, first, last = os.environ["RAYTRAIN_TEST_COUNT_SYNCS"].split(":")
+        self.directory, self.first, self.last = directory, int(first), int(last)
+        self.calls: dict[str, int] | None = None  # None: not counting
+
+    def on_fetch(self, rank: int) -> None:
+        if not getattr(self, "_installed", False):
+            self._installed = True
+            count_synchronising_calls(self._count)
+
+    def _count(self, name: str) -> None:
+        if self.calls is not None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
+        if epoch != 1:
+            return
+        if micro_batch == self.first:
+            self.calls = {}
+        elif micro_batch == self.last:
+            calls, self.calls = self.calls, None
+            with open(os.path.join(self.directory, f"rank-{rank}.json"), "w") as file:
+                json.dump({"count": sum(calls.values()), "calls": calls}, file)
+
+
+def count_synchronising_calls(count) -> None:
+    """Patch torch so that each call that can make the host wait for the device calls count(name) first:
+    Tensor.item / __bool__ / cpu / tolist, torch.tensor(..., device=...), and Tensor.to(device) not marked
+    non_blocking (on CPU these wait for nothing, but they are the calls that would on a GPU)."""
+    for name in ("item", "__bool__", "cpu", "tolist"):
+        original = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, _counting(original, f"Tensor.{name}", count))
+
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        targets = [*args, kwargs.get("device")]
+        if not kwargs.get("non_blocking") and any(isinstance(t, (torch.device, str, torch.Tensor)) for t in targets):
+            count("Tensor.to (blocking)")
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    original_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            count("torch.tensor(device=)")
+        return original_tensor(*args, **kwargs)
+
+    torch.tensor = tensor
+
+
+def _counting(original, name: str, count):
+    def counted(self, *args, **kwargs):
+        count(name)
+        return original(self, *args, **kwargs)
+    return counted
