@@ -125,7 +125,7 @@ def test_python_api_elastic_start_on_uneven_data(ray_address, tmp_path):
 
     result = fit(TrainConfig(num_workers=4, min_workers=1, scale_lr=True, epochs=2, dataset="synthetic-tabular",
                              model="mlp", train_size=1001, val_size=301, batch_size=50, storage_path=str(tmp_path),
-                             name="api"))
+                             name="api", report=False, tensorboard=False))
     assert result.ok, result.summary["error"]
     log = (result.run_dir / "driver.log").read_text()
     assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in log
@@ -180,7 +180,7 @@ import sys
 import ray
 from raytrain_ddp.run import main
 # This machine has no GPU: a Ray that counts one is exactly Ray seeing a GPU that CUDA does not.
-ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
 sys.exit(main(sys.argv[1:]))
 """
 
