@@ -37,7 +37,7 @@ def _config(data: Path, seed: int = 0):
     from raytrain_ddp import TrainConfig
 
     return TrainConfig(num_workers=2, epochs=2, data=str(data), feature_columns=FEATURES, model="mlp", batch_size=32,
-                       seed=seed)
+                       seed=seed, report=False, tensorboard=False)
 
 
 def _train_shards(config) -> list:
@@ -203,8 +203,8 @@ def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
     from raytrain_ddp import TrainConfig, fit
     from raytrain_ddp.evaluate import evaluate_checkpoint
 
-    trained = fit(TrainConfig(num_workers=2, data=str(out), epochs=3, batch_size=16,
-                              storage_path=str(tmp_path / "runs"), name="folder"))
+    trained = fit(TrainConfig(num_workers=2, data=str(out), epochs=3, batch_size=16, report=False,
+                              tensorboard=False, storage_path=str(tmp_path / "runs"), name="folder"))
     assert trained.ok, trained.summary["error"]
     summary = json.loads((tmp_path / "runs" / "folder" / "summary.json").read_text())
     assert summary["final_metrics"]["val_rows"] == 60
