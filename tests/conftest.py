@@ -33,6 +33,6 @@ def trained_run(ray_address, tmp_path_factory):
 
     storage = tmp_path_factory.mktemp("shared-runs")
     result = fit(TrainConfig(num_workers=2, epochs=2, train_size=1024, val_size=256, storage_path=str(storage),
-                             name="shared", report=False, mlflow_uri=f"file://{storage}/mlruns"))
+                             name="shared", report=False, tensorboard=False, mlflow_uri=f"file://{storage}/mlruns"))
     assert result.ok, result.summary.get("error")
     return result.run_dir
