@@ -148,20 +148,19 @@ def test_rerun_after_a_driver_crash_resumes_and_a_corrupt_latest_checkpoint_is_s
     assert summary["status"] == "finished" and summary["epochs_completed"] == 3
 
 
-def test_resume_from_starts_a_new_run_from_a_checkpoint(ray_address, trained_run, tmp_path):
-    import torch
-
-    checkpoint = json.loads((trained_run / "summary.json").read_text())["best_checkpoint"]
-    epoch = torch.load(checkpoint, weights_only=True)["epoch"]
-    second = subprocess.run(_cli(tmp_path, "continued", "--resume-from", checkpoint, "--train-size", "1024",
-                                 address=ray_address, epochs=epoch + 1), cwd=REPO, capture_output=True, text=True,
-                            timeout=600)
+def test_resume_from_starts_a_new_run_from_a_checkpoint(ray_address, tmp_path):
+    first = subprocess.run(_cli(tmp_path, "source", address=ray_address, epochs=1), cwd=REPO,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = json.loads((tmp_path / "source" / "summary.json").read_text())["best_checkpoint"]
+    second = subprocess.run(_cli(tmp_path, "continued", "--resume-from", checkpoint, address=ray_address, epochs=2),
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"Starting from checkpoint {Path(checkpoint).parent} (epoch {epoch}) of run shared" in second.stderr
-    assert _epochs(tmp_path / "continued") == [epoch + 1]  # the epochs before came with the checkpoint
-    source_loss = json.loads((trained_run / "metrics.jsonl").read_text().splitlines()[0])["val_loss"]
+    assert f"Starting from checkpoint {Path(checkpoint).parent} (epoch 1) of run source" in second.stderr
+    assert _epochs(tmp_path / "continued") == [2]  # epoch 1 came with the checkpoint
+    source_loss = json.loads((tmp_path / "source" / "metrics.jsonl").read_text())["val_loss"]
     continued_loss = json.loads((tmp_path / "continued" / "metrics.jsonl").read_text())["val_loss"]
-    assert continued_loss < source_loss  # it really carried on from the trained weights (not one epoch from scratch)
+    assert continued_loss < source_loss  # it really carried on from the trained weights
 
 
 def test_usr1_stops_at_a_checkpoint_and_the_same_command_resumes(ray_address, tmp_path):
