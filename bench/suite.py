@@ -83,10 +83,6 @@ class Sizes:
 
 QUICK = Sizes(train_size=2048, val_size=128, epochs=2, batch_size=64, repeats=1, ingest_rows=8192, ingest_epochs=5,
               loader_cpus=2)
-# The suite's own test: every figure's code path on the least data that still gives each a steady state
-# (> WARMUP_STEPS steps an epoch on each side, 3 ingest passes: a window between pass 1 and the last).
-SMOKE = Sizes(train_size=512, val_size=64, epochs=2, batch_size=16, repeats=1, ingest_rows=2048, ingest_epochs=3,
-              loader_cpus=2)
 FULL = Sizes(train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_rows=32768, ingest_epochs=8,
              loader_cpus=2)
 
@@ -350,16 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny data, 1 repeat (a couple of minutes; for CI)")
-    parser.add_argument("--smoke", action="store_true", help="smaller still: the figures' code paths only (tests)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as one JSON object to FILE")
     parser.add_argument("--md", metavar="FILE", help="where the Markdown table goes "
-                        "(default: bench/results/latest.md, or latest-quick.md / latest-smoke.md)")
+                        "(default: bench/results/latest.md, or latest-quick.md with --quick)")
     parser.add_argument("--repeats", type=int, help="override the number of rounds")
     args = parser.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    sizes = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[mode]
+    sizes = QUICK if args.quick else FULL
     if args.repeats:
         sizes = Sizes(**{**sizes.__dict__, "repeats": args.repeats})
+    mode = "quick" if args.quick else "full"
     print(f"raytrain-ddp benchmark, {mode} mode: {sizes.repeats} round(s)", file=sys.stderr, flush=True)
     try:
         result = run_suite(sizes, log=lambda text: print(text, file=sys.stderr, flush=True))
@@ -369,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     result["mode"] = mode
     table = markdown(result, mode)
     print(table)
-    md = Path(args.md) if args.md else RESULTS / ("latest.md" if mode == "full" else f"latest-{mode}.md")
+    md = Path(args.md) if args.md else RESULTS / ("latest-quick.md" if args.quick else "latest.md")
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(table)
     if args.json:

@@ -1,4 +1,4 @@
-"""The benchmark suite keeps working: `python -m bench --smoke --json OUT`, every figure tiny (no timing asserts)."""
+"""The benchmark suite keeps working: `python -m bench --quick --json OUT` (no timing asserts)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("throughput_ratio", "first_step_ratio", "ingest_ratio", "scaling_efficiency")
 
 
-def test_smoke_bench_writes_the_four_figures(tmp_path):
+def test_quick_bench_writes_the_four_figures(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--json", str(out), "--md", str(md)],
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--json", str(out), "--md", str(md)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
