@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    ray.init(num_cpus=CONSUMERS + args.data_cpus, include_dashboard=False, log_to_driver=False,
+    # address="local": a Ray of its own even where `ray start` left a cluster (or its address file) behind
+    ray.init(address="local", num_cpus=CONSUMERS + args.data_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False, object_store_memory=300 * 2**20,
              runtime_env={"env_vars": {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}})
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +33,34 @@ def _train_ids(data: Path) -> set[int]:
     return set(pq.ParquetDataset(str(data / "train")).read(columns=["id"]).column("id").to_pylist())
 
 
-def _fit_recording_ids(data: Path, storage: Path, name: str, seed: int = 0):
-    from raytrain_ddp import TrainConfig, fit
+def _config(data: Path, seed: int = 0):
+    from raytrain_ddp import TrainConfig
 
-    result = fit(TrainConfig(num_workers=2, epochs=2, data=str(data), feature_columns=FEATURES, model="mlp",
-                             batch_size=32, record_sample_ids=True, seed=seed, storage_path=str(storage), name=name))
-    assert result.ok, result.summary["error"]
-    return result
+    return TrainConfig(num_workers=2, epochs=2, data=str(data), feature_columns=FEATURES, model="mlp", batch_size=32,
+                       seed=seed, report=False, tensorboard=False)
+
+
+def _train_shards(config) -> list:
+    """The training shards of 2 ranks, built from scratch as a new driver builds them."""
+    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data
+
+    datasets = build_datasets(config, plan_data(config))
+    per_rank = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=2, worker_handles=None,
+                                              worker_node_ids=None)
+    return [shards["train"] for shards in per_rank]
+
+
+def _epoch_ids(shard, config, epoch: int) -> np.ndarray:
+    from raytrain_ddp.data.pipeline import epoch_batches
+
+    return np.concatenate([batch["id"].numpy() for batch in epoch_batches(shard, config, epoch, "cpu")])
+
+
+def _pipeline_order(data: Path, seed: int) -> dict:
+    """(epoch, rank) -> the ids that rank reads in that epoch, from a new build of the pipeline (another run)."""
+    config = _config(data, seed)
+    return {(epoch, rank): _epoch_ids(shard, config, epoch)
+            for rank, shard in enumerate(_train_shards(config)) for epoch in (1, 2)}
 
 
 def _seen(result, epoch: int, rank: int) -> np.ndarray:
@@ -46,17 +68,22 @@ def _seen(result, epoch: int, rank: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def recorded_runs(ray_address, tabular_data, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("runs")
-    first = _fit_recording_ids(tabular_data, storage, "first")
-    again = _fit_recording_ids(tabular_data, storage, "again")
-    other_seed = _fit_recording_ids(tabular_data, storage, "other-seed", seed=1)
-    return first, again, other_seed
+def recorded_run(ray_address, tabular_data, tmp_path_factory):
+    """A real 2-worker fit that records, per epoch and rank, the ids its training steps saw."""
+    import dataclasses
+
+    from raytrain_ddp import fit
+
+    config = dataclasses.replace(_config(tabular_data), record_sample_ids=True,
+                                 storage_path=str(tmp_path_factory.mktemp("runs")), name="first")
+    result = fit(config)
+    assert result.ok, result.summary["error"]
+    return result
 
 
 @pytest.mark.ray
-def test_shards_are_disjoint_complete_and_equal(recorded_runs, tabular_data):
-    first, *_ = recorded_runs
+def test_shards_are_disjoint_complete_and_equal(recorded_run, tabular_data):
+    first = recorded_run
     train_ids = _train_ids(tabular_data)
     for epoch in (1, 2):
         rank0, rank1 = _seen(first, epoch, 0), _seen(first, epoch, 1)
@@ -72,45 +99,34 @@ def test_shards_are_disjoint_complete_and_equal(recorded_runs, tabular_data):
 
 
 @pytest.mark.ray
-def test_each_epoch_reshuffles_across_ranks(recorded_runs):
-    first, *_ = recorded_runs
+def test_each_epoch_reshuffles_across_ranks(recorded_run):
+    first = recorded_run
     epoch1, epoch2 = _seen(first, 1, 0), _seen(first, 2, 0)
     assert not np.array_equal(epoch1, epoch2)  # a new order...
     assert set(epoch1) != set(epoch2)  # ...and a new split of rows between ranks, like DistributedSampler.set_epoch
 
 
 @pytest.mark.ray
-def test_same_seed_same_order_other_seed_other_order(recorded_runs):
-    first, again, other_seed = recorded_runs
+def test_same_seed_same_order_other_seed_other_order(recorded_run, tabular_data):
+    """What the run's ranks trained on, id for id, is what any other build with its seed reads; another seed
+    reads another order. A new driver builds the shards from scratch (test_epoch_order_... below)."""
+    again, other_seed = _pipeline_order(tabular_data, seed=0), _pipeline_order(tabular_data, seed=1)
     for epoch in (1, 2):
         for rank in (0, 1):
-            assert np.array_equal(_seen(first, epoch, rank), _seen(again, epoch, rank))
-    assert not np.array_equal(_seen(first, 1, 0), _seen(other_seed, 1, 0))
+            assert np.array_equal(_seen(recorded_run, epoch, rank), again[epoch, rank])
+    assert not np.array_equal(_seen(recorded_run, 1, 0), other_seed[1, 0])
 
 
 @pytest.mark.ray
 def test_epoch_order_does_not_depend_on_what_ran_before(ray_address, tabular_data):
     """A run resumed at epoch 2 (a new driver: everything built again, epoch 1 never read)
     gets, rank by rank, the ids in the order the uninterrupted run got them."""
-    from raytrain_ddp import TrainConfig
-    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, epoch_batches, plan_data
-
-    config = TrainConfig(data=str(tabular_data), feature_columns=FEATURES, model="mlp", batch_size=32)
-
-    def train_shards() -> list:
-        datasets = build_datasets(config, plan_data(config))
-        per_rank = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=2, worker_handles=None,
-                                                  worker_node_ids=None)
-        return [shards["train"] for shards in per_rank]
-
-    def ids(shard, epoch: int) -> np.ndarray:
-        return np.concatenate([batch["id"].numpy() for batch in epoch_batches(shard, config, epoch, "cpu")])
-
-    uninterrupted = train_shards()
+    config = _config(tabular_data)
+    uninterrupted = _train_shards(config)
     for shard in uninterrupted:
-        ids(shard, 1)
-    expected = [ids(shard, 2) for shard in uninterrupted]
-    resumed = [ids(shard, 2) for shard in train_shards()]
+        _epoch_ids(shard, config, 1)
+    expected = [_epoch_ids(shard, config, 2) for shard in uninterrupted]
+    resumed = [_epoch_ids(shard, config, 2) for shard in _train_shards(config)]
     for rank in (0, 1):
         assert np.array_equal(resumed[rank], expected[rank])
     assert not set(expected[0]) & set(expected[1])
@@ -183,15 +199,18 @@ def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
     assert prepared.returncode == 0, prepared.stderr
     inspected = run_cli("raytrain_ddp.data", "inspect", str(out), timeout=60)
     assert inspected.returncode == 0 and "class_3" in inspected.stdout
-    trained = run_cli("raytrain_ddp.run", "--address", ray_address, "--data", str(out), "--epochs", "3",
-                      "--batch-size", "16", "--storage-path", str(tmp_path / "runs"), "--name", "folder", timeout=600)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    # Training and scoring in this process, on the shared Ray (their CLIs are test_train.py's)
+    from raytrain_ddp import TrainConfig, fit
+    from raytrain_ddp.evaluate import evaluate_checkpoint
+
+    trained = fit(TrainConfig(num_workers=2, data=str(out), epochs=3, batch_size=16, report=False,
+                              tensorboard=False, storage_path=str(tmp_path / "runs"), name="folder"))
+    assert trained.ok, trained.summary["error"]
     summary = json.loads((tmp_path / "runs" / "folder" / "summary.json").read_text())
     assert summary["final_metrics"]["val_rows"] == 60
     assert summary["final_metrics"]["val_accuracy"] >= 0.6  # chance is 0.25
-    scored = run_cli("raytrain_ddp.evaluate", summary["best_checkpoint"], "--json", timeout=120)
-    assert scored.returncode == 0, scored.stderr
-    assert abs(json.loads(scored.stdout)["val_accuracy"] - summary["best_metrics"]["val_accuracy"]) <= 1 / 60
+    scored = evaluate_checkpoint(summary["best_checkpoint"])
+    assert abs(scored["val_accuracy"] - summary["best_metrics"]["val_accuracy"]) <= 1 / 60
 
 
 # ------------------------------------------------------------------ bad data
@@ -232,11 +251,28 @@ def _bad_data(tmp_path: Path, case: str, tabular: Path) -> list[str]:
     ("string-labels", "integer"),
     ("model-mismatch", "--model cnn takes image data, but the data holds tabular"),
 ])
-def test_bad_data_fails_before_anything_starts(tmp_path, tabular_data, case, message):
+def test_bad_data_fails_before_anything_starts(tmp_path, tabular_data, case, message, caplog):
+    """Each kind of bad data, through fit() in this process (no interpreter start-up per case); the CLI's side,
+    one `error:` line and exit code 2, is the test below."""
+    from raytrain_ddp import fit
+    from raytrain_ddp.errors import ConfigError
+    from raytrain_ddp.run import config_from_args
+
     storage = tmp_path / "runs"
-    result = run_cli("raytrain_ddp.run", *_bad_data(tmp_path, case, tabular_data), "--storage-path", str(storage),
-                     "--name", "bad", timeout=60)
+    config = config_from_args([*_bad_data(tmp_path, case, tabular_data), "--storage-path", str(storage),
+                               "--name", "bad"])
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as refused:
+        fit(config)
+    assert "\n" not in str(refused.value) and message in str(refused.value), refused.value
+    assert not caplog.records, caplog.text  # nothing else said: on the CLI that one line is all of stderr
+    assert not (storage / "bad").exists()  # nothing written to the run directory
+
+
+def test_bad_data_on_the_cli_is_one_line_exit_2(tmp_path, tabular_data):
+    storage = tmp_path / "runs"
+    result = run_cli("raytrain_ddp.run", *_bad_data(tmp_path, "truncated", tabular_data), "--storage-path",
+                     str(storage), "--name", "bad", timeout=60)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
-    assert not (storage / "bad").exists()  # nothing written to the run directory
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "part-0.parquet" in lines[0], result.stderr
+    assert not (storage / "bad").exists()

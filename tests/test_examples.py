@@ -21,7 +21,8 @@ def test_train_from_python_example(ray_address, tmp_path):
 
 def test_custom_plugins_example(ray_address, tmp_path):
     result = run_python_file(REPO / "examples" / "custom_plugins.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address},
-                             args=["--epochs", "2", "--name", "plugins-example", "--no-report"])
+                             args=["--epochs", "2", "--train-size", "1024", "--val-size", "256",
+                                   "--name", "plugins-example", "--no-report"])
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "plugins-example" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs_completed"] == 2

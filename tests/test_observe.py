@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -15,7 +16,8 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
     monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowData")
     monkeypatch.setenv("RAYTRAIN_TEST_SLOW_DATA", "1:0.4")  # rank 1 waits 0.4 s for every batch
     result = fit(TrainConfig(num_workers=2, epochs=1, dataset="synthetic-tabular", model="mlp", train_size=2000,
-                             val_size=200, batch_size=50, storage_path=str(tmp_path), name="slow"))
+                             val_size=200, batch_size=50, storage_path=str(tmp_path), name="slow", report=False,
+                             tensorboard=False))
     assert result.ok, result.summary["error"]
     epoch = result.epochs[0]
     wait0, wait1 = epoch["data_wait_seconds_per_rank"]
@@ -39,19 +41,15 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
     assert "[rank 1 on " in worker_lines and "training on cpu from epoch 1" in worker_lines
 
 
-def test_mlflow_file_store_gets_params_and_metrics(ray_address, tmp_path):
+def test_mlflow_file_store_gets_params_and_metrics(trained_run):
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ddp import TrainConfig, fit
-
-    uri = f"file://{tmp_path}/mlruns"
-    result = fit(TrainConfig(num_workers=2, epochs=2, dataset="synthetic-tabular", model="mlp", train_size=600,
-                             val_size=100, storage_path=str(tmp_path), name="tracked", mlflow_uri=uri))
-    assert result.ok, result.summary["error"]
+    uri = f"file://{trained_run.parent}/mlruns"  # the session's shared run logs there (conftest.trained_run)
     client = MlflowClient(tracking_uri=uri)
     run = client.search_runs([client.get_experiment_by_name("raytrain-ddp").experiment_id])[0]
-    assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
+    assert run.info.run_name == "shared" and run.info.status == "FINISHED"
     assert run.data.params["num_workers"] == "2"
     history = client.get_metric_history(run.info.run_id, "val/accuracy")
     assert [m.step for m in history] == [1, 2]
-    assert history[-1].value == pytest.approx(result.final_metrics["val_accuracy"])
+    final = json.loads((trained_run / "summary.json").read_text())["final_metrics"]
+    assert history[-1].value == pytest.approx(final["val_accuracy"])

@@ -1,4 +1,4 @@
-"""The run report and TensorBoard log, made from a real short run (2 CPU workers on the shared Ray).
+"""The run report and TensorBoard log, made from the session's real short run (conftest.trained_run).
 
 The page is checked the way a person sees it: headless Chromium renders it,
 dumps its DOM and takes a screenshot. Without Chromium that test is skipped,
@@ -22,17 +22,6 @@ pytestmark = pytest.mark.ray
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CORE_PLOTS = {"loss.png", "val_accuracy.png", "throughput_per_rank.png", "data_wait_seconds_per_rank.png"}
 SECTION_IDS = {"summary", "workers", "epochs", "config"}
-
-
-@pytest.fixture(scope="module")
-def trained_run(ray_address, tmp_path_factory) -> Path:
-    from raytrain_ddp import TrainConfig, fit
-
-    storage = tmp_path_factory.mktemp("runs")
-    result = fit(TrainConfig(num_workers=2, epochs=2, train_size=1024, val_size=256, storage_path=str(storage),
-                             name="report"))
-    assert result.ok, result.summary.get("error")
-    return result.run_dir
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,26 @@ EPOCH_KEYS = {"epoch", "train_loss", "train_loss_min", "train_loss_max", "val_lo
               "samples_per_second", "samples_per_rank", "seconds", "val_accuracy_per_rank"}
 
 
+# The CLI run below trains on less data than the built-in default (8192/2048 rows, 5 epochs: ~45 s more here);
+# test_cli_defaults pins those defaults.
+EPOCHS, TRAIN_ROWS, VAL_ROWS = 2, 4096, 1024
+DEFAULT_RUN_ARGS = ("--name", "default", "--epochs", str(EPOCHS), "--train-size", str(TRAIN_ROWS),
+                    "--val-size", str(VAL_ROWS))
+
+
+def test_cli_defaults():
+    from raytrain_ddp.run import config_from_args
+
+    config = config_from_args([])
+    assert (config.num_workers, config.epochs, config.batch_size) == (2, 5, 64)
+    assert (config.dataset, config.train_size, config.val_size) == ("synthetic", 8192, 2048)
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """`python -m raytrain_ddp.run` with the built-in defaults: its own local Ray, dashboard on."""
+    """`python -m raytrain_ddp.run` with the built-in defaults but the sizes: its own local Ray, dashboard on."""
     storage = tmp_path_factory.mktemp("runs")
-    result = run_cli("raytrain_ddp.run", "--storage-path", str(storage), "--name", "default", timeout=600)
+    result = run_cli("raytrain_ddp.run", "--storage-path", str(storage), *DEFAULT_RUN_ARGS, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = storage / "default"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -39,7 +54,7 @@ def test_console_says_dashboard_global_batch_and_table(default_run):
 
 def test_default_run_learns(default_run):
     *_, summary, epochs = default_run
-    assert summary["status"] == "finished" and summary["epochs_completed"] == 5
+    assert summary["status"] == "finished" and summary["epochs_completed"] == EPOCHS
     assert epochs[0]["train_loss"] > epochs[-1]["train_loss"]
     assert summary["final_metrics"]["val_accuracy"] >= 0.8  # chance is 0.1
 
@@ -64,14 +79,14 @@ def test_replicas_are_bit_identical(default_run):
 
 def test_every_epoch_has_the_cross_rank_picture(default_run):
     *_, epochs = default_run
-    assert [e["epoch"] for e in epochs] == [1, 2, 3, 4, 5]
+    assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
     for e in epochs:
         assert EPOCH_KEYS <= e.keys()
         assert e["train_loss_min"] <= e["train_loss"] <= e["train_loss_max"]
         assert len(set(e["val_accuracy_per_rank"])) == 1 and len(set(e["val_loss_per_rank"])) == 1
-        # equal shards, together the whole training set (8192 rows split evenly)
-        assert e["samples_per_rank"] == [4096, 4096]
-        assert e["val_rows"] == 2048  # every validation row exactly once
+        # equal shards, together the whole training set (split evenly)
+        assert e["samples_per_rank"] == [TRAIN_ROWS // 2, TRAIN_ROWS // 2]
+        assert e["val_rows"] == VAL_ROWS  # every validation row exactly once
 
 
 def test_run_directory_holds_config_and_best_checkpoint(default_run):
@@ -88,29 +103,39 @@ def test_evaluate_reproduces_recorded_accuracy(default_run):
     result = run_cli("raytrain_ddp.evaluate", summary["best_checkpoint"], "--json", timeout=120)
     assert result.returncode == 0, result.stderr
     scored = json.loads(result.stdout)
-    assert scored["val_rows"] == 2048
-    assert abs(scored["val_accuracy"] - scored["recorded"]["val_accuracy"]) <= 1 / 2048
+    assert scored["val_rows"] == VAL_ROWS
+    assert abs(scored["val_accuracy"] - scored["recorded"]["val_accuracy"]) <= 1 / VAL_ROWS
     assert scored["val_loss"] == pytest.approx(scored["recorded"]["val_loss"], rel=1e-4)
 
 
-def test_finished_run_is_not_retrained(default_run):
+def test_finished_run_is_not_retrained(default_run, ray_address):
     _, run_dir, *_ = default_run
-    result = run_cli("raytrain_ddp.run", "--storage-path", str(run_dir.parent), "--name", "default", timeout=120)
+    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--storage-path", str(run_dir.parent),
+                     *DEFAULT_RUN_ARGS, timeout=120)
     assert result.returncode == 2
     assert "already finished" in result.stderr and "choose a new --name" in result.stderr
 
 
-def test_python_api_uneven_data_on_shared_ray(ray_address, tmp_path):
-    """fit() from Python; train rows that do not split evenly, an odd-sized val split."""
+def test_python_api_elastic_start_on_uneven_data(ray_address, tmp_path):
+    """fit() from Python on the shared Ray. --min-workers: 4 asked, 2 fit beside the data-loading CPU: it trains
+    with 2 and says so; --scale-lr scales for the 2 that train, not the 4 asked for. Train rows that do not split
+    evenly, an odd-sized val split."""
     from raytrain_ddp import TrainConfig, fit
 
-    result = fit(TrainConfig(num_workers=2, epochs=2, dataset="synthetic-tabular", model="mlp",
-                             train_size=1001, val_size=301, batch_size=50, storage_path=str(tmp_path), name="api"))
+    result = fit(TrainConfig(num_workers=4, min_workers=1, scale_lr=True, epochs=2, dataset="synthetic-tabular",
+                             model="mlp", train_size=1001, val_size=301, batch_size=50, storage_path=str(tmp_path),
+                             name="api", report=False, tensorboard=False))
     assert result.ok, result.summary["error"]
+    log = (result.run_dir / "driver.log").read_text()
+    assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in log
+    assert "Global batch = 50 per worker x 2 workers = 100" in log
+    assert "Learning rate scaled linearly with the global batch: 0.02 x 2 = 0.04" in log
+    assert result.summary["world_size"] == 2 and result.summary["global_batch_size"] == 100
     for epoch in result.epochs:
         assert epoch["samples_per_rank"] == [500, 500]  # equal shards: one row left out this epoch
         assert epoch["steps_per_rank"] == [10, 10]  # same step count on every rank: no DDP hang
         assert epoch["val_rows"] == 301  # validation is exact, even when uneven across ranks
+        assert epoch["lr"] == pytest.approx(0.04), epoch
     assert result.summary["replicas_identical"]
     assert result.final_metrics["val_accuracy"] > 0.5
 
@@ -126,33 +151,27 @@ def test_infeasible_request_fails_in_seconds(ray_address, tmp_path):
     assert elapsed < 30  # not Ray Train's 60 s start timeout, nor for ever
     assert not any(tmp_path.iterdir())
 
-    elastic = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "8", "--min-workers", "3",
-                      "--storage-path", str(tmp_path), timeout=60)
-    assert elastic.returncode == 2
-    assert "asked for at least 3 workers x 1 CPU" in elastic.stderr and "try --min-workers 2" in elastic.stderr
+
+def _refusal(tmp_path, **fields) -> str:
+    """What fit() on the shared Ray says to a request it must refuse (the CLI prints it as one `error:` line,
+    exit code 2: test_infeasible_request_fails_in_seconds); nothing is written."""
+    from raytrain_ddp import TrainConfig, fit
+    from raytrain_ddp.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        fit(TrainConfig(storage_path=str(tmp_path), **fields))
+    assert not any(tmp_path.iterdir())
+    return str(refused.value)
 
 
-def test_elastic_run_starts_with_the_workers_that_fit(ray_address, tmp_path):
-    """--min-workers: 4 asked, 2 fit beside the data-loading CPU: it trains with 2 and says so; --scale-lr
-    scales for the 2 that train, not the 4 asked for."""
-    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "4", "--min-workers", "1",
-                     "--epochs", "1", "--train-size", "512", "--val-size", "128", "--no-report", "--scale-lr",
-                     "--storage-path", str(tmp_path), "--name", "elastic", timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in result.stderr
-    assert "Global batch = 64 per worker x 2 workers = 128" in result.stderr
-    assert "Learning rate scaled linearly with the global batch: 0.02 x 2 = 0.04" in result.stderr
-    summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_batch_size"] == 128 and summary["replicas_identical"]
-    record = json.loads((tmp_path / "elastic" / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["lr"] == pytest.approx(0.04), record
+def test_elastic_request_that_cannot_reach_its_minimum_is_refused(ray_address, tmp_path):
+    message = _refusal(tmp_path, num_workers=8, min_workers=3)
+    assert "asked for at least 3 workers x 1 CPU" in message and "try --min-workers 2" in message
 
 
 def test_request_that_starves_data_loading_fails_in_seconds(ray_address, tmp_path):
-    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "2", "--cpus-per-worker", "1.5",
-                     "--storage-path", str(tmp_path), timeout=60)
-    assert result.returncode == 2
-    assert "hold 1 beside 1 CPU for Ray Data loading" in result.stderr and "try --num-workers 1" in result.stderr
+    message = _refusal(tmp_path, num_workers=2, cpus_per_worker=1.5)
+    assert "hold 1 beside 1 CPU for Ray Data loading" in message and "try --num-workers 1" in message
 
 
 GPUS_RAY_SEES_CUDA_DOES_NOT = """
@@ -160,7 +179,7 @@ import sys
 import ray
 from raytrain_ddp.run import main
 # This machine has no GPU: a Ray that counts one is exactly Ray seeing a GPU that CUDA does not.
-ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -181,7 +200,4 @@ def test_gpus_ray_counts_but_cuda_cannot_see_fail_in_seconds(tmp_path):
 
 
 def test_gpu_request_without_gpus_fails_in_seconds(ray_address, tmp_path):
-    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--use-gpu", "--storage-path", str(tmp_path),
-                     timeout=60)
-    assert result.returncode == 2
-    assert "--use-gpu, but no GPU in the Ray cluster" in result.stderr
+    assert "--use-gpu, but no GPU in the Ray cluster" in _refusal(tmp_path, use_gpu=True)
