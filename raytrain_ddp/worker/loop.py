@@ -95,14 +95,16 @@ def timed_batches(batches, meter: EpochMeter, slow_data_s: float = 0.0) -> Itera
 class Trainer:
     """Model, optimizer, schedule and scaler of one rank, and the two things done with them per batch."""
 
-    def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, plugins: dict):
+    def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, plugins: dict,
+                 world_size: int | None = None):
         self.config, self.device = config, device
+        strategy.setup_device(config, device)
         # The same seed on every rank gives the same initial weights (DDP also
         # broadcasts rank zero's at wrap time); the data order comes from Ray Data.
         torch.manual_seed(config.seed)
         model = build_model(config, spec, plugins.get("model_fn"))
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
-        self.world_size = ray.train.get_context().get_world_size()  # elastic runs: this attempt's
+        self.world_size = world_size or ray.train.get_context().get_world_size()  # elastic runs: this attempt's
         self.optimizer = make_optimizer(config, self.model, self.world_size)  # after FSDP: it steps the local shards
         self.epoch_steps = steps_per_epoch(spec.train_rows // self.world_size, config)
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
@@ -247,8 +249,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         # FSDP: the sharded model, every rank in lockstep (its forward all-gathers).
         fsdp = config.strategy == "fsdp"
         val_batches = val_shard.iter_torch_batches(batch_size=config.batch_size, device=device)
-        val_metrics = evaluate(trainer.model if fsdp else strategy.unwrap(trainer.model), val_batches,
-                               trainer.loss_fn, device, lockstep_padding=batch if fsdp else None)
+        with strategy.autocast(config, device):  # the precision training ran in (evaluate.py does the same)
+            val_metrics = evaluate(trainer.model if fsdp else strategy.unwrap(trainer.model), val_batches,
+                                   trainer.loss_fn, device, lockstep_padding=batch if fsdp else None)
         rank_metrics = {
             "epoch": epoch, "rank": rank, "train_loss": meter.mean_loss(), "samples": meter.samples,
             "steps": meter.steps, "optimizer_steps": steps_in_epoch, "skipped_steps": skipped_steps,
