@@ -6,7 +6,7 @@ table on stdout (docs/gpu.md says where it goes):
 
 1. environment: GPU, driver, torch, CUDA, cuDNN, NCCL versions;
 2. setup: Ray from bench/gpu_wheels/*.tar.xz (carried with the working tree,
-   see bench/gpu_wheels.sh) into a site folder, when `import ray` fails;
+   made by bench/gpu_wheels.sh) into /tmp/raytrain-site, when `import ray` fails;
 3. sync: synchronising calls per steady training step, counted with
    torch.cuda.set_sync_debug_mode("warn") (the loop's own micro_step and
    optimizer_step, DDP on a one-rank NCCL group, batches already on the device);
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "bench" / "gpu_wheels"
 DEADLINE_S = 9 * 60
 SYNC_STEPS = 20
+SITE = Path("/tmp/raytrain-site")
 
 log = logging.getLogger("bench.gpu_check")
 
@@ -77,8 +78,8 @@ def ray_env(site: Path) -> dict:
             raise SystemExit(f"error: Ray is not installed and {WHEELS} holds no .tar.xz parts "
                              "(bench/gpu_wheels.sh makes them)") from None
         unpack_carried(archives, site)
-        return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                "PATH": os.pathsep.join([str(site / "bin"), os.environ["PATH"]])}
+        # ray.init() starts its own gcs_server and raylet binaries: no `ray` script is needed on PATH
+        return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 def count_step_syncs(steps: int = SYNC_STEPS) -> dict:
@@ -180,7 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"), help="where results go")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=argparse.SUPPRESS)
     parser.add_argument("--count-syncs", action="store_true", help=argparse.SUPPRESS)  # step 3, in a child
+    parser.add_argument("--setup-only", action="store_true",
+                        help="unpack the carried Ray parts present into /tmp/raytrain-site and stop (parts sent in two calls)")
     args = parser.parse_args(argv)
+    if args.setup_only:
+        print(json.dumps(ray_env(SITE)))
+        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(out, args.deadline_s)
     check.results["environment"] = environment()
     started = time.monotonic()
-    check.env.update(ray_env(Path("/tmp/raytrain-site")))
+    check.env.update(ray_env(SITE))
     check.results["setup"] = {"ok": True, "seconds": round(time.monotonic() - started, 1)}
     done = check.run("sync", [sys.executable, "-m", "bench.gpu_check", "--count-syncs"], 0.15)
     if done is not None and done.returncode == 0:

@@ -32,7 +32,7 @@ def pick_device(name: str | None) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but torch sees no CUDA GPU; use --device cpu")
-    return torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
 @torch.no_grad()
