@@ -150,17 +150,17 @@ class Check:
             self.results[name]["error"] = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         return done
 
-    def train(self, name: str, share: float, *flags: str) -> Path:
+    def train(self, name: str, share: float, *flags: str) -> None:
         run_dir = self.out / "runs" / name
         self.run(name, [sys.executable, "-m", "raytrain_ddp.run", "--use-gpu", "--num-workers", "1",
-                        "--storage-path", str(self.out / "runs"), "--name", name, "--no-report", "--no-tensorboard", *flags], share)
+                        "--storage-path", str(self.out / "runs"), "--name", name, "--no-report", "--no-tensorboard",
+                        *flags], share)
         summary = run_dir / "summary.json"
         if summary.exists():
             found = json.loads(summary.read_text())
             self.results[name]["final"] = {k: found.get(k) for k in ("status", "best_checkpoint", "final_metrics")}
-        return run_dir
 
-    def evaluate(self, run_dir: Path) -> None:
+    def evaluate(self) -> None:
         best = self.results.get("resnet", {}).get("final", {}).get("best_checkpoint")
         if not best:
             self.results["evaluate"] = {"ok": False, "error": "no checkpoint from the resnet step"}
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=argparse.SUPPRESS)
     parser.add_argument("--count-syncs", action="store_true", help=argparse.SUPPRESS)  # step 3, in a child
     parser.add_argument("--setup-only", action="store_true",
-                        help="unpack the carried Ray parts present into /tmp/raytrain-site and stop (parts sent in two calls)")
+                        help="unpack the carried Ray parts present into /tmp/raytrain-site and stop")
     args = parser.parse_args(argv)
     if args.setup_only:
         print(json.dumps(ray_env(SITE)))
@@ -205,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     done = check.run("sync", [sys.executable, "-m", "bench.gpu_check", "--count-syncs"], 0.15)
     if done is not None and done.returncode == 0:
         check.results["sync"].update(json.loads(done.stdout.strip().splitlines()[-1]))
-    resnet = check.train("resnet", 0.25, "--model", "resnet18", "--precision", "bf16", "--channels-last",
+    check.train("resnet", 0.25, "--model", "resnet18", "--precision", "bf16", "--channels-last",
                          "--epochs", "2", "--train-size", "8192", "--val-size", "1024", "--batch-size", "256")
     check.train("fsdp", 0.3, "--model", "transformer", "--dataset", "synthetic-tokens", "--strategy", "fsdp",
                 "--precision", "bf16", "--optimizer", "adamw", "--lr", "0.003", "--epochs", "2",
                 "--train-size", "8192", "--val-size", "1024")
-    check.evaluate(resnet)
+    check.evaluate()
     bench_json = out / "resnet50.json"
     done = check.run("resnet50", [sys.executable, "bench/gpu_resnet50.py", "--json", str(bench_json),
                                   "--deadline-s", str(max(check.left() - 20, 10))])
