@@ -4,8 +4,10 @@ Calls `raytrain_ddp.run.main(CLI ARGS)` (the `python -m raytrain_ddp.run`
 entry point, in this process) after swapping the worker loop Ray Train ships
 to the workers for a wrapper that records, on rank 0, when each epoch's loop
 starts and when each optimizer step ends (one
-time.time() and a list append per step, hooked on EpochMeter.add, which the
-loop calls right after optimizer.step(); nothing else in the loop changes).
+time.time() and a list append per step, hooked on Trainer.optimizer_step's
+return: the same event plain_ddp.py records, right after optimizer.step();
+EpochMeter.add only counts the rows since the last step; nothing else in the
+loop changes).
 """
 
 from __future__ import annotations
@@ -27,25 +29,32 @@ def probed(loop, probe_out: str):
         import raytrain_ddp.worker.loop as loop_module
 
         events: list = []
-        epoch_meter = loop_module.EpochMeter
+        rows = [0]  # rows trained since the last optimizer step
+        epoch_meter, optimizer_step = loop_module.EpochMeter, loop_module.Trainer.optimizer_step
 
         def recording_meter(*args, **kwargs):
             events.append(("e", time.time()))
             meter = epoch_meter(*args, **kwargs)
-            add = meter.add  # the loop calls meter.add(loss, rows) right after optimizer.step()
+            add = meter.add  # the loop calls meter.add(loss, rows) after each micro-batch's backward
 
-            def recording_add(loss, batch_size):
+            def counting_add(loss, batch_size):
                 add(loss, batch_size)
-                events.append(("s", time.time(), batch_size))
+                rows[0] += batch_size
 
-            meter.add = recording_add
+            meter.add = counting_add
             return meter
 
-        loop_module.EpochMeter = recording_meter
+        def recording_step(self):
+            stepped = optimizer_step(self)
+            events.append(("s", time.time(), rows[0]))
+            rows[0] = 0
+            return stepped
+
+        loop_module.EpochMeter, loop_module.Trainer.optimizer_step = recording_meter, recording_step
         try:
             loop(loop_config)
         finally:
-            loop_module.EpochMeter = epoch_meter
+            loop_module.EpochMeter, loop_module.Trainer.optimizer_step = epoch_meter, optimizer_step
             if ray.train.get_context().get_world_rank() == 0:
                 with open(probe_out, "w") as f:
                     json.dump({"events": events, "world_size": ray.train.get_context().get_world_size(),

@@ -1,9 +1,11 @@
 """`python -m raytrain_ddp.evaluate CHECKPOINT`: score a checkpoint on one process.
 
 Rebuilds the model and the validation split from what the checkpoint records,
-evaluates without Ray or DDP, and prints the accuracy beside the one recorded
+evaluates without Ray or DDP (on the GPU when there is one, ``--device``), under
+the precision training used, and prints the accuracy beside the one recorded
 at training time: they agree, because training validated every row exactly
-once with rank zero's weights and buffers.
+once with rank zero's weights and buffers (within the tolerance docs/gpu.md
+gives when a GPU-trained, TF32 or bf16, checkpoint is scored on a CPU).
 """
 
 from __future__ import annotations
@@ -19,13 +21,24 @@ from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_input
 from raytrain_ddp.errors import ConfigError, bad_input
 from raytrain_ddp.models import build_model
 from raytrain_ddp.worker.checkpoint import load_file
+from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.loop import make_loss_fn
 from raytrain_ddp.worker.metrics import evaluate
 
 
+def pick_device(name: str | None) -> torch.device:
+    """--device: cuda when there is a GPU (the default), else cpu. Raises ConfigError for cuda without one."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but torch sees no CUDA GPU; use --device cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+
+
 @torch.no_grad()
-def evaluate_checkpoint(path: str, batch_size: int = 256) -> dict:
-    """Validation loss and accuracy of the checkpoint at `path` (file or directory)."""
+def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = None) -> dict:
+    """Validation loss and accuracy of the checkpoint at `path` (file or directory) on `device`."""
+    target = pick_device(device)
     try:
         state = load_file(path)
     except (OSError, RuntimeError) as err:
@@ -34,23 +47,28 @@ def evaluate_checkpoint(path: str, batch_size: int = 256) -> dict:
     spec = DataSpec(**state["data_spec"])
     if spec.kind == "custom":
         raise ConfigError(f"{path} was trained on a --dataset plug-in's data; evaluate it with your own data loader")
+    strategy.setup_device(config, target)  # TF32 as in training (--no-tf32 runs stay full fp32)
     model = build_model(config, spec)
     model.load_state_dict(state["model"])
+    memory_format = torch.channels_last if config.channels_last else torch.preserve_format
+    model.to(target, memory_format=memory_format)
     rows = to_model_inputs(read_split_rows(config, "val"), spec)
     x, y = torch.from_numpy(rows["x"]), torch.from_numpy(rows["y"])
-    batches = ({"x": x[start:start + batch_size], "y": y[start:start + batch_size]}
+    batches = ({"x": x[start:start + batch_size].to(target), "y": y[start:start + batch_size].to(target)}
                for start in range(0, len(y), batch_size))
-    return {"epoch": state["epoch"], **evaluate(model, batches, make_loss_fn(config), torch.device("cpu")),
-            "recorded": state["metrics"]}
+    with strategy.autocast(config, target):
+        scored = evaluate(model, batches, make_loss_fn(config), target)
+    return {"epoch": state["epoch"], **scored, "device": str(target), "recorded": state["metrics"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="checkpoint.pt or the checkpoint directory holding it")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="where to evaluate (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     try:
-        result = evaluate_checkpoint(args.checkpoint)
+        result = evaluate_checkpoint(args.checkpoint, device=args.device)
     except ConfigError as err:
         return bad_input(err)
     if args.json:
@@ -59,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         recorded = result["recorded"]
         print(f"epoch {result['epoch']}: val_accuracy {result['val_accuracy']:.4f} "
               f"(recorded {recorded['val_accuracy']:.4f}), val_loss {result['val_loss']:.4f} "
-              f"(recorded {recorded['val_loss']:.4f}) over {result['val_rows']} rows")
+              f"(recorded {recorded['val_loss']:.4f}) over {result['val_rows']} rows on {result['device']}")
     return 0
 
 

@@ -110,6 +110,9 @@ def check_model_fits_data(name: str, data_kind: str) -> None:
 
 def build_model(config: TrainConfig, spec: DataSpec, model_fn: Callable | None = None) -> nn.Module:
     """The model `config.model` names (or `model_fn` builds) for the data `spec` describes."""
+    if config.channels_last and spec.kind in ("tabular", "tokens"):
+        raise ConfigError(f"--channels-last is for 4-D image inputs, but the data holds {spec.kind}; "
+                          "drop --channels-last")
     if model_fn is not None or is_import_path(config.model):
         label = repr(config.model) if model_fn is None else describe(model_fn)
         model = call_plugin(model_fn or load_object(config.model, "--model"), "--model", label, config)

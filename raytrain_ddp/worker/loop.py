@@ -126,6 +126,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, plugins: dict, world_size: int):
         self.config, self.device, self.world_size = config, device, world_size
+        strategy.setup_device(config, device)
         # The same seed on every rank gives the same initial weights (DDP also
         # broadcasts rank zero's at wrap time); the data order comes from Ray Data.
         torch.manual_seed(config.seed)
@@ -303,8 +304,9 @@ class WorkerLoop:
         # FSDP: the sharded model, every rank in lockstep (its forward all-gathers).
         fsdp = config.strategy == "fsdp"
         val_batches = self.val_shard.iter_torch_batches(batch_size=config.batch_size, device=self.device)
-        return evaluate(model if fsdp else strategy.unwrap(model), val_batches, self.trainer.loss_fn, self.device,
-                        lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None)
+        with strategy.autocast(config, self.device):  # the precision training ran in (evaluate.py does the same)
+            return evaluate(model if fsdp else strategy.unwrap(model), val_batches, self.trainer.loss_fn,
+                            self.device, lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None)
 
     def report_epoch(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
         """This rank's epoch record to the driver, which aggregates the ranks' into metrics.jsonl."""

@@ -1,12 +1,13 @@
 """How the model is spread over the workers: DDP replicas or FSDP shards.
 
-``--strategy ddp`` (Ray Train's ``prepare_model``): every rank holds the whole
+``--strategy ddp`` (``DistributedDataParallel``): every rank holds the whole
 model; gradients are all-reduced in buckets during ``backward``.
 ``--strategy fsdp`` (FSDP2, ``torch.distributed.fsdp.fully_shard``): every rank
 holds 1/world_size of each parameter, gradient and optimizer state; a block's
 parameters are all-gathered just before it runs and freed after. The same
 code runs on CPU with gloo and on GPUs with NCCL (Ray Train's own FSDP option
-refuses CPU training, so it is not used).
+refuses CPU training, so it is not used). FSDP shards each unit on the host and
+moves only the shard to the device, so the whole model never sits on one GPU.
 
 Either way, checkpoints hold a full, unsharded state dict (gathered on rank
 zero), so they load into a plain single-process model and resume on any
@@ -19,12 +20,11 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-import ray.train.torch
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
@@ -67,20 +67,43 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
+def setup_device(config: TrainConfig, device: torch.device) -> None:
+    """Once per worker, before the model is built: the process's GPU and its speed settings.
+
+    cudnn.benchmark picks the fastest convolution algorithm per input shape
+    (shapes are fixed here: one batch size, the last partial batch aside);
+    TF32 runs fp32 matmuls and convolutions on tensor cores with a 10-bit
+    mantissa (``--no-tf32`` for full fp32). Both are no-ops on a CPU.
+    """
+    if device.type != "cuda":
+        return
+    torch.cuda.set_device(device)  # FSDP's default mesh and NCCL use the current device
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = config.tf32
+    torch.backends.cudnn.allow_tf32 = config.tf32
+
+
 def distribute(model: nn.Module, config: TrainConfig, device: torch.device) -> tuple[nn.Module, GradSyncCounter]:
-    """Wrap the model for data-parallel training; count DDP's gradient all-reduces."""
+    """Wrap the model (built on the host) for data-parallel training; count DDP's gradient all-reduces."""
     counter = GradSyncCounter()
-    if config.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     if config.strategy == "fsdp":
-        model.to(device)
+        # bf16 all-gathers and compute, fp32 gradient reduction (bf16 sums lose precision over many ranks).
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if config.precision == "bf16" else MixedPrecisionPolicy()
+        # FSDP moves each unit to the device as it shards it: one unit at a time is ever whole there.
+        # Parameters stay contiguous (FSDP2 refuses others); with --channels-last the inputs carry the
+        # format, and a convolution with a channels-last input runs channels-last.
+        for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+            fully_shard(norm)  # fp32 weights beside fp32 running statistics (batch_norm takes one dtype)
         for unit in fsdp_units(model):
-            fully_shard(unit)
-        fully_shard(model)
+            fully_shard(unit, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        model.to(device)  # anything FSDP does not manage
     else:
-        model = ray.train.torch.prepare_model(model)
-        if isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(counter, _counting_allreduce)
+        if config.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        model.register_comm_hook(counter, _counting_allreduce)
     if config.compile:
         model = torch.compile(model)
     return model, counter
