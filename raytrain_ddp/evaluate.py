@@ -8,17 +8,19 @@ once with rank zero's weights and buffers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
+from raytrain_ddp.driver.run_checkpoints import read_verified
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.models import build_model
-from raytrain_ddp.worker.checkpoint import load_file
+from raytrain_ddp.run import OneLineErrorParser
+from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
 from raytrain_ddp.worker.loop import make_loss_fn
 from raytrain_ddp.worker.metrics import evaluate
 
@@ -26,10 +28,12 @@ from raytrain_ddp.worker.metrics import evaluate
 @torch.no_grad()
 def evaluate_checkpoint(path: str, batch_size: int = 256) -> dict:
     """Validation loss and accuracy of the checkpoint at `path` (file or directory)."""
-    try:
-        state = load_file(path)
-    except (OSError, RuntimeError) as err:
-        raise ConfigError(f"cannot load checkpoint {path!r}: {err}") from None
+    if Path(path).is_file() and Path(path).name != CHECKPOINT_FILE:
+        raise ConfigError(f"{path!r} is not a checkpoint: give a checkpoint directory or its {CHECKPOINT_FILE}")
+    checkpoint_dir = Path(path).parent if Path(path).is_file() else Path(path)
+    state, why_not = read_verified(checkpoint_dir)
+    if state is None:
+        raise ConfigError(f"{path!r} is not a usable checkpoint: {why_not}")
     config = TrainConfig(**state["config"])
     spec = DataSpec(**state["data_spec"])
     if spec.kind == "custom":
@@ -45,7 +49,8 @@ def evaluate_checkpoint(path: str, batch_size: int = 256) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     parser.add_argument("checkpoint", help="checkpoint.pt or the checkpoint directory holding it")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)

@@ -102,6 +102,7 @@ def connect(config: TrainConfig, import_roots: list[str] = ()) -> str | None:
         if address:
             context = preflight.init_ray(address, **options)
         else:
+            preflight.check_local_capacity(config)
             cpus = preflight.local_cpus(config)
             log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
             context = preflight.init_ray("local", include_dashboard=True, num_cpus=cpus, **options)
@@ -232,6 +233,10 @@ def check_model_builds(config: TrainConfig, plan: DataPlan, model_fn) -> None:
 
 def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> dict | None:
     """The model builds for this data, and --resume-from was made for both; returns --resume-from's state."""
+    if plan.spec.train_rows < config.num_workers:
+        where = "the training data" if config.uses_parquet or plan.spec.kind == "custom" else "--train-size"
+        raise ConfigError(f"{where} holds {plan.spec.train_rows} training rows, fewer than --num-workers "
+                          f"{config.num_workers}: every worker needs at least one")
     check_model_builds(config, plan, model_fn)
     return run_checkpoints.check_resume_from(config, plan.spec) if config.resume_from else None
 
