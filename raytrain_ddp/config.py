@@ -193,7 +193,7 @@ class TrainConfig:
 MAX_NAME_LENGTH = 200
 UPPER_LIMITS = {
     "num_workers": 100_000, "min_workers": 100_000, "cpus_per_worker": 1024, "train_size": 10**9, "val_size": 10**9,
-    "epochs": 1_000_000, "batch_size": 2**24, "grad_accum": 100_000, "lr": 100.0, "warmup_epochs": 1_000_000,
+    "epochs": 1_000_000, "batch_size": 2**24, "grad_accum": 100_000, "lr": 1e12, "warmup_epochs": 1_000_000,
     "clip_grad_norm": 1e9, "momentum": 1.0, "weight_decay": 10.0, "seed": 2**32 - 1, "num_to_keep": 100_000,
     "max_failures": 1000, "capacity_wait_s": 7 * 86400, "collective_timeout_s": 7 * 86400, "hang_timeout_s": 7 * 86400,
 }

@@ -20,12 +20,13 @@ from pathlib import Path
 import ray
 import ray.data
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.config import is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import preflight, run_checkpoints
+from raytrain_ddp.driver.failures import Trainer
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, stop_on_signals
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
@@ -167,7 +168,7 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     return log_file
 
 
-def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int) -> TorchTrainer:
+def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int) -> Trainer:
     os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
     # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
     # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
@@ -175,7 +176,7 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: d
     # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
-    return TorchTrainer(
+    return Trainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
                            "plugins": plugins, "test_delays": _test_delays()},
