@@ -232,9 +232,12 @@ def _at_least(flag_name: str, value: int, minimum: int) -> None:
 
 
 def _timestamp() -> str:
+    """UTC to the millisecond and a random suffix: two runs started together never share a default name."""
     import datetime
+    import secrets
 
-    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y%m%d-%H%M%S-") + f"{now.microsecond // 1000:03d}Z-{secrets.token_hex(2)}"
 
 
 def _check_storage_path(storage_path: str) -> str:

@@ -282,3 +282,13 @@ def test_evaluate_refuses_what_is_not_a_checkpoint(tmp_path, make, message):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path!r} ") and message in lines[0], lines
+
+
+def test_default_run_names_are_utc_and_never_collide(tmp_path):
+    import re
+
+    from raytrain_ddp.config import TrainConfig
+
+    names = {TrainConfig(storage_path=str(tmp_path)).validate().name for _ in range(50)}
+    assert len(names) == 50
+    assert all(re.fullmatch(r"run-\d{8}-\d{6}-\d{3}Z-[0-9a-f]{4}", name) for name in names), names
