@@ -138,6 +138,7 @@ class TrainConfig:
     # --------------------------------------------------------------- validation
     def validate(self) -> TrainConfig:
         """Check every value; fill in the run name. Raises ConfigError."""
+        _check_values(self)
         _at_least("--num-workers", self.num_workers, 1)
         _at_least("--batch-size", self.batch_size, 1)
         _at_least("--epochs", self.epochs, 1)
@@ -181,8 +182,44 @@ class TrainConfig:
             self.name = "run-" + _timestamp()
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             raise ConfigError(f"--name {self.name!r} may hold only letters, digits, '.', '_' and '-'")
+        if len(self.name) > MAX_NAME_LENGTH:
+            raise ConfigError(f"--name is {len(self.name)} characters long; at most {MAX_NAME_LENGTH} fit a file name "
+                              "beside what Ray Train appends")
         self.storage_path = _check_storage_path(self.storage_path)
         return self
+
+
+# The largest value each numeric flag may take: beyond it a typo, not a run (the smallest is checked in validate()).
+# A run name becomes directory and file names (NAME_MAX is 255 bytes; Ray Train adds its own suffixes).
+MAX_NAME_LENGTH = 200
+UPPER_LIMITS = {
+    "num_workers": 100_000, "min_workers": 100_000, "cpus_per_worker": 1024, "train_size": 10**9, "val_size": 10**9,
+    "epochs": 1_000_000, "batch_size": 2**24, "grad_accum": 100_000, "lr": 1e12, "warmup_epochs": 1_000_000,
+    "clip_grad_norm": 1e9, "momentum": 1.0, "weight_decay": 10.0, "seed": 2**32 - 1, "num_to_keep": 100_000,
+    "max_failures": 1000, "capacity_wait_s": 7 * 86400, "collective_timeout_s": 7 * 86400, "hang_timeout_s": 7 * 86400,
+}
+
+
+def _check_values(config: "TrainConfig") -> None:
+    """Numbers finite and within limits (NaN would pass every `<` test), strings not empty."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if value is None or f.name not in UPPER_LIMITS:
+            continue
+        flag_name = "--" + f.name.replace("_", "-")
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag_name} must be a finite number, got {value}")
+        if value > UPPER_LIMITS[f.name]:
+            raise ConfigError(f"{flag_name} must be at most {UPPER_LIMITS[f.name]:g}, got {value:g}")
+    for f in fields(config):
+        if _field_type(f) is str and getattr(config, f.name) == "":
+            raise ConfigError(f"--{f.name.replace('_', '-')} must not be empty")
+    if config.seed < 0:
+        raise ConfigError(f"--seed must be at least 0, got {config.seed}")
+    if not 0 <= config.momentum < 1:
+        raise ConfigError(f"--momentum must be in [0, 1), got {config.momentum}")
+    if not config.weight_decay >= 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {config.weight_decay}")
 
 
 def is_import_path(text: str) -> bool:
@@ -196,9 +233,12 @@ def _at_least(flag_name: str, value: int, minimum: int) -> None:
 
 
 def _timestamp() -> str:
+    """UTC to the millisecond and a random suffix: two runs started together never share a default name."""
     import datetime
+    import secrets
 
-    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y%m%d-%H%M%S-") + f"{now.microsecond // 1000:03d}Z-{secrets.token_hex(2)}"
 
 
 def _check_storage_path(storage_path: str) -> str:

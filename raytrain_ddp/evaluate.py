@@ -10,18 +10,19 @@ gives when a GPU-trained, TF32 or bf16, checkpoint is scored on a CPU).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
-from raytrain_ddp.errors import ConfigError, bad_input
+from raytrain_ddp.driver.run_checkpoints import read_verified
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 from raytrain_ddp.models import build_model
-from raytrain_ddp.worker.checkpoint import load_file
 from raytrain_ddp.worker import strategy
+from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
 from raytrain_ddp.worker.loop import make_loss_fn
 from raytrain_ddp.worker.metrics import evaluate
 
@@ -39,10 +40,12 @@ def pick_device(name: str | None) -> torch.device:
 def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = None) -> dict:
     """Validation loss and accuracy of the checkpoint at `path` (file or directory) on `device`."""
     target = pick_device(device)
-    try:
-        state = load_file(path)
-    except (OSError, RuntimeError) as err:
-        raise ConfigError(f"cannot load checkpoint {path!r}: {err}") from None
+    if Path(path).is_file() and Path(path).name != CHECKPOINT_FILE:
+        raise ConfigError(f"{path!r} is not a checkpoint: give a checkpoint directory or its {CHECKPOINT_FILE}")
+    checkpoint_dir = Path(path).parent if Path(path).is_file() else Path(path)
+    state, why_not = read_verified(checkpoint_dir)
+    if state is None:
+        raise ConfigError(f"{path!r} is not a usable checkpoint: {why_not}")
     config = TrainConfig(**state["config"])
     spec = DataSpec(**state["data_spec"])
     if spec.kind == "custom":
@@ -62,7 +65,8 @@ def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     parser.add_argument("checkpoint", help="checkpoint.pt or the checkpoint directory holding it")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where to evaluate (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

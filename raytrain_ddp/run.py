@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Data-parallel PyTorch training on a Ray cluster (one worker per GPU or CPU slot).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags the user typed reach the config
+        allow_abbrev=False,  # `--stor` must not silently mean --storage-path
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file of these settings; flags override it")
     for f in fields(TrainConfig):

@@ -46,10 +46,52 @@ CASES = [
     ("zero-capacity-wait", ["--capacity-wait-s", "0"], "--capacity-wait-s must be at least 1, got 0"),
     ("unreachable-address", ["--address", "127.0.0.1:1"], "cannot connect to the Ray cluster at 127.0.0.1:1: Connection refused"),
     ("resume-from-missing", ["--resume-from", "/no/such/checkpoint"], "--resume-from '/no/such/checkpoint' does not exist"),
+    ("abbreviated-flag", ["--stor", "/tmp", "--num-workers", "0"], "unrecognized arguments: --stor /tmp"),
+    ("bool-with-value", ["--use-gpu=yes"], "argument --use-gpu/--no-use-gpu: ignored explicit argument 'yes'"),
+    ("unknown-lr-schedule", ["--lr-schedule", "linear"], "argument --lr-schedule: invalid choice: 'linear'"),
+    ("name-too-long", ["--name", "a" * 250], "--name is 250 characters long; at most 200 fit"),
+    ("momentum-one", ["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
+    ("negative-weight-decay", ["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    ("negative-seed", ["--seed", "-1"], "--seed must be at least 0, got -1"),
+    ("negative-max-failures", ["--max-failures", "-1"], "--max-failures must be at least 0, got -1"),
+    ("zero-num-to-keep", ["--num-to-keep", "0"], "--num-to-keep must be at least 1, got 0"),
+    ("zero-collective-timeout", ["--collective-timeout-s", "0"], "--collective-timeout-s must be at least 1, got 0"),
+    ("zero-hang-timeout", ["--hang-timeout-s", "0"], "--hang-timeout-s must be at least 1, got 0"),
+    ("zero-val-size", ["--val-size", "0"], "--val-size must be at least 1, got 0"),
+    ("fewer-rows-than-workers", ["--train-size", "1", "--num-workers", "2"],
+     "--train-size holds 1 training rows, fewer than --num-workers 2"),
+    ("more-workers-than-machine", ["--num-workers", "500"],
+     "--num-workers 500 x 1 CPU does not fit this machine"),
+    ("data-missing", ["--data", "/no/such/dataset"], "/no/such/dataset"),
+    ("empty-mlflow-uri", ["--mlflow-uri", ""], "--mlflow-uri must not be empty"),
 ]
 
 
-@pytest.mark.parametrize("args, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def _numeric_cases() -> list[tuple]:
+    """For every numeric flag: a value past its limit, and (float flags) NaN and infinity."""
+    from dataclasses import fields
+
+    from raytrain_ddp.config import UPPER_LIMITS, TrainConfig, _field_type
+
+    cases = []
+    for f in fields(TrainConfig):
+        if _field_type(f) not in (int, float):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        extra = ["--num-workers", "100000"] if f.name == "min_workers" else []
+        huge = str(int(UPPER_LIMITS[f.name]) * 10 + 1)
+        cases.append((f"{f.name}-huge", [*extra, flag, huge], f"{flag} must be at most"))
+        if _field_type(f) is float:
+            cases += [(f"{f.name}-{word}", [flag, word], f"{flag} must be a finite number, got {word}")
+                      for word in ("nan", "inf")]
+    return cases
+
+
+NUMERIC_CASES = _numeric_cases()
+
+
+@pytest.mark.parametrize("args, message", [c[1:] for c in CASES + NUMERIC_CASES],
+                         ids=[c[0] for c in CASES + NUMERIC_CASES])
 def test_bad_flag_is_one_line_and_exit_2(tmp_path, args, message):
     result = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), *args, timeout=60)
     assert result.returncode == 2, result.stderr
@@ -183,3 +225,69 @@ def test_every_builtin_model_builds_and_runs(model, dataset, output_shape):
     dtype = torch.long if spec.kind == "tokens" else torch.float32
     outputs = build_model(config, spec)(torch.zeros(2, *spec.input_shape, dtype=dtype))
     assert outputs.shape == output_shape
+
+
+# Flags whose bad values are tested beside the code that reads them, not in the table above.
+TESTED_ELSEWHERE = {
+    "--image-column": "tests/test_data_validate.py", "--label-column": "tests/test_data_train.py",
+    "--feature-columns": "tests/test_data_train.py", "--storage-path": "test_unwritable_storage_path",
+    "--config": "test_bad_config_file",
+}
+
+
+def test_the_bad_input_table_covers_every_flag():
+    from raytrain_ddp.config import UPPER_LIMITS
+    from raytrain_ddp.run import build_parser
+
+    flags = {option for action in build_parser()._actions for option in action.option_strings
+             if option.startswith("--") and not option.startswith("--no-") and option != "--help"}
+    tested = {arg.split("=")[0] for case in CASES + NUMERIC_CASES for arg in case[1] if arg.startswith("--")}
+    booleans = {"--use-gpu", "--compile", "--channels-last", "--scale-lr", "--skip-nonfinite", "--record-sample-ids",
+                "--tensorboard", "--report", "--verbose"}  # one table row shows how any of them fails
+    assert flags - tested - set(TESTED_ELSEWHERE) - booleans == set()
+    numeric = {f for f in flags if f[2:].replace("-", "_") in UPPER_LIMITS}
+    assert numeric == {flag for flag in flags if any(c[0].startswith(flag[2:].replace("-", "_") + "-huge")
+                                                        for c in NUMERIC_CASES)}
+
+
+def test_more_cpu_workers_than_cores_is_one_warning(caplog):
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.driver.preflight import check_local_capacity
+
+    cores = os.cpu_count()
+    with caplog.at_level("WARNING", logger="raytrain_ddp"):
+        check_local_capacity(TrainConfig(num_workers=cores + 1))
+        check_local_capacity(TrainConfig(num_workers=cores))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{cores + 1} CPU workers x 1 CPU on {cores} cores: they share the cores and train slower than {cores} would"]
+
+
+def test_data_cli_refuses_abbreviated_flags(tmp_path):
+    result = run_cli("raytrain_ddp.data", "prepare", "--fr", "csv", str(tmp_path / "t.csv"), "--out",
+                     str(tmp_path / "ds"), timeout=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "--fr" in result.stderr and not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: _write(d / "notes.txt", "hello"), "is not a checkpoint: give a checkpoint directory or its checkpoint.pt"),
+    (lambda d: _garbage(d / "ck") + "/checkpoint.pt", "is not a usable checkpoint: it does not load"),
+    (lambda d: str((d / "empty").mkdir() or d / "empty"), "is not a usable checkpoint: checkpoint.pt is missing"),
+    (lambda d: _checkpoint(d / "ck", drop=("model",)), "is not a usable checkpoint: keys missing: model"),
+], ids=["text-file", "garbage", "empty-dir", "keys-missing"])
+def test_evaluate_refuses_what_is_not_a_checkpoint(tmp_path, make, message):
+    path = make(tmp_path)
+    result = run_cli("raytrain_ddp.evaluate", path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path!r} ") and message in lines[0], lines
+
+
+def test_default_run_names_are_utc_and_never_collide(tmp_path):
+    import re
+
+    from raytrain_ddp.config import TrainConfig
+
+    names = {TrainConfig(storage_path=str(tmp_path)).validate().name for _ in range(50)}
+    assert len(names) == 50
+    assert all(re.fullmatch(r"run-\d{8}-\d{6}-\d{3}Z-[0-9a-f]{4}", name) for name in names), names

@@ -22,7 +22,7 @@ from raytrain_ddp.data import prepare
 from raytrain_ddp.data.format import DEFAULT_ROW_GROUP_SIZE, DEFAULT_ROWS_PER_FILE, DatasetInfo, decode_images
 from raytrain_ddp.data.paths import resolve
 from raytrain_ddp.data.validate import check_dataset, open_parquet
-from raytrain_ddp.errors import ConfigError, bad_input
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 
 SOURCES = ("imagefolder", "cifar10", "csv")
 ASCII_RAMP = " .:-=+*#%@"  # dark to bright
@@ -31,10 +31,11 @@ MAX_CLASSES_SHOWN = 20
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.data", description=__doc__.split("\n")[0])
+    parser = OneLineErrorParser(prog="python -m raytrain_ddp.data", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    convert = commands.add_parser("prepare", help="convert a source into a Parquet dataset")
+    convert = commands.add_parser("prepare", help="convert a source into a Parquet dataset", allow_abbrev=False)
     convert.add_argument("--from", dest="source_kind", choices=SOURCES, required=True, help="source format")
     convert.add_argument("source", help="image folder root, CIFAR-10 python directory, or CSV file")
     convert.add_argument("--out", required=True, help="dataset directory to create")
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--rows-per-file", type=int, default=DEFAULT_ROWS_PER_FILE)
     convert.add_argument("--row-group-size", type=int, default=DEFAULT_ROW_GROUP_SIZE)
 
-    show = commands.add_parser("inspect", help="check a dataset and describe it")
+    show = commands.add_parser("inspect", help="check a dataset and describe it", allow_abbrev=False)
     show.add_argument("path", help="dataset directory, Parquet file, directory, glob or URI")
     return parser
 

@@ -21,12 +21,13 @@ from pathlib import Path
 import ray
 import ray.data
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path, to_toml
 from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints
+from raytrain_ddp.driver.failures import Trainer
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, stop_on_signals
@@ -105,6 +106,7 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         if address:
             context = preflight.init_ray(address, **options)
         else:
+            preflight.check_local_capacity(config)
             cpus = preflight.local_cpus(config)
             log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
             context = preflight.init_ray("local", include_dashboard=True, num_cpus=cpus, **options)
@@ -169,7 +171,7 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     return log_file
 
 
-def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int) -> TorchTrainer:
+def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int) -> Trainer:
     os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
     # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
     # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
@@ -177,7 +179,7 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: d
     # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
-    return TorchTrainer(
+    return Trainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
                            "plugins": plugins},
@@ -224,6 +226,10 @@ def check_model_builds(config: TrainConfig, plan: DataPlan, model_fn) -> None:
 
 def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> dict | None:
     """The model builds for this data, and --resume-from was made for both; returns --resume-from's state."""
+    if plan.spec.train_rows < config.num_workers:
+        where = "the training data" if config.uses_parquet or plan.spec.kind == "custom" else "--train-size"
+        raise ConfigError(f"{where} holds {plan.spec.train_rows} training rows, fewer than --num-workers "
+                          f"{config.num_workers}: every worker needs at least one")
     check_model_builds(config, plan, model_fn)
     return run_checkpoints.check_resume_from(config, plan.spec) if config.resume_from else None
 

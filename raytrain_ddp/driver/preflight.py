@@ -8,6 +8,7 @@ is created.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -21,6 +22,8 @@ from raytrain_ddp.errors import ConfigError
 # Ray Data's decode/shuffle tasks need CPUs the training workers do not hold:
 # without one left over, ingest waits for ever and so does training.
 DATA_LOADING_CPUS = 1
+
+log = logging.getLogger("raytrain_ddp")
 
 
 def init_ray(address: str, **options):
@@ -132,6 +135,30 @@ def check_gpus_usable(nodes: list[dict]) -> None:
             raise ConfigError(f"--use-gpu: Ray counts GPUs on {seen['host']}, but CUDA sees none in a Ray worker "
                               f"there (CUDA_VISIBLE_DEVICES={seen['visible']}, torch built for {build}); check the "
                               "driver with nvidia-smi and that the cluster's environment has a CUDA build of torch")
+
+
+# A Ray started here shares the cores among more CPU workers than there are (a laptop runs 2 workers + data
+# on 2 cores); past this many logical CPUs per core, or the memory a torch + gloo process needs each, it cannot.
+MAX_CPUS_PER_CORE = 4
+MEMORY_PER_CPU_WORKER_GIB = 0.5
+
+
+def check_local_capacity(config: TrainConfig) -> None:
+    """For a Ray started on this machine: a warning when CPU workers outnumber the cores, a ConfigError
+    naming the largest count that fits when the machine cannot hold them at all."""
+    if config.use_gpu:
+        return  # GPU workers are counted against the GPUs Ray finds (check_fits)
+    cores = os.cpu_count() or 1
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    by_cores = math.floor((cores * MAX_CPUS_PER_CORE - DATA_LOADING_CPUS) / config.cpus_per_worker + 1e-9)
+    most = max(0, min(by_cores, math.floor(memory_gib / MEMORY_PER_CPU_WORKER_GIB)))
+    if config.fewest_workers > most:
+        raise ConfigError(f"--num-workers {config.num_workers} x {config.cpus_per_worker:g} CPU does not fit this "
+                          f"machine ({cores} cores, {memory_gib:.1f} GiB): at most {most} CPU workers fit "
+                          f"(--num-workers {most}), or give --address of a larger Ray cluster")
+    if config.num_workers * config.cpus_per_worker > cores:
+        log.warning("%d CPU workers x %g CPU on %d cores: they share the cores and train slower than %d would",
+                    config.num_workers, config.cpus_per_worker, cores, cores)
 
 
 def local_cpus(config: TrainConfig) -> int:
