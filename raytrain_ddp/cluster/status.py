@@ -62,6 +62,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
