@@ -95,6 +95,9 @@ def test_job_plan_from_a_fake_slurm_environment():
     p = plan.job_plan(env, ["a", "b"], head_ip="10.0.0.1", ports=Ports.block(22350), python="/py", home="/h",
                       fallback_cpus=1)
     assert (p.head, p.cpus, p.gpus, p.gpus_known, p.restart_count) == ("a", [8, 8], 3, True, 1)
+    assert p.step_gpus == 3
+    assert plan.job_plan({**env, "RAYTRAIN_GPUS_PER_NODE": "4"}, ["a"], head_ip="h", ports=Ports.block(22340),
+                         python="/py", home="/h", fallback_cpus=1).step_gpus == 3  # the step asks what Slurm gave
     assert p.head_address == "10.0.0.1:22350" and p.derived_ports.gcs == 22340
     assert p.job_dir == "/h/.raytrain/job-1234" and p.node_tmp(1) == "/t/rt1234.1" and p.tag(1) == "rt-1234-1"
     assert plan.JobPlan.from_json(p.to_json()) == p

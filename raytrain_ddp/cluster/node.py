@@ -112,7 +112,8 @@ def sweep(prefix: str, *dirs: str) -> None:
                 break
             time.sleep(0.2)
         if pids:
-            log.info("killing Ray processes that ignored TERM on %s: %s", socket.gethostname(), " ".join(map(str, pids)))
+            log.info("killing Ray processes that ignored TERM on %s: %s", socket.gethostname(),
+                     " ".join(map(str, pids)))
             _signal(pids, signal.SIGKILL)
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
@@ -232,7 +233,7 @@ def node_main(argv: list[str]) -> int:
         return _run_node(plan, index, role, host, tag, tmp)
     except LaunchError as err:
         log.error("%s", err)
-        Path(job_dir, f"node.{index}.error").write_text(f"{plan.nodes[index]}: {err}\n")
+        Path(job_dir, f"node.{index}.error").write_text(f"{err}\n")
         return err.code
     except Stop as stopped:
         return stopped.code

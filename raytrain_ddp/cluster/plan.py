@@ -246,9 +246,8 @@ def precheck(chosen: Mapping, shape: WorkerShape, nodes: list[str], cpus: list[i
 
     if shape.use_gpu and not gpus_known:
         return  # GPUs per node not stated by Slurm: the trainer checks against the live cluster
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**{**{k: v for k, v in chosen.items() if k in known}, "use_gpu": shape.use_gpu,
-                            "num_workers": shape.num_workers, "cpus_per_worker": shape.cpus_per_worker})
+    config = TrainConfig(**{**chosen, "use_gpu": shape.use_gpu, "num_workers": shape.num_workers,
+                            "cpus_per_worker": shape.cpus_per_worker})
     table = [{"node_ip": n, "cpus": float(c), "gpus": float(gpus), "memory_gib": 0.0} for n, c in zip(nodes, cpus)]
     preflight.check_fits(config, table)
 
@@ -263,6 +262,7 @@ class JobPlan:
     cpus: list[int]  # per node
     gpus: int  # per node, as the job describes it (each node re-reads its own)
     gpus_known: bool
+    step_gpus: int  # per node, as Slurm allocated them (RAYTRAIN_GPUS_PER_NODE aside): what each Ray step asks for
     head_ip: str
     ports: Ports
     derived_ports: Ports
@@ -297,14 +297,20 @@ class JobPlan:
         return cls(**values)
 
 
+def job_dir(env: Mapping[str, str], home: str) -> str:
+    """The job's private dir on storage every node sees (its auth token, the plan, what nodes report)."""
+    return f"{env.get('RAYTRAIN_JOB_DIR_BASE') or f'{home}/.raytrain'}/job-{env['SLURM_JOB_ID']}"
+
+
 def job_plan(env: Mapping[str, str], nodes: list[str], *, head_ip: str, ports: Ports, python: str,
              home: str, fallback_cpus: int) -> JobPlan:
     job_id = int(env["SLURM_JOB_ID"])
     gpus, known = gpus_per_node(env, len(nodes))
-    base = env.get("RAYTRAIN_JOB_DIR_BASE") or f"{home}/.raytrain"
     return JobPlan(
         job_id=job_id, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0), nodes=list(nodes),
-        cpus=cpus_per_node(env, len(nodes), fallback_cpus), gpus=gpus, gpus_known=known, head_ip=head_ip,
+        cpus=cpus_per_node(env, len(nodes), fallback_cpus), gpus=gpus, gpus_known=known,
+        step_gpus=gpus_per_node({k: v for k, v in env.items() if k != "RAYTRAIN_GPUS_PER_NODE"}, len(nodes))[0],
+        head_ip=head_ip,
         ports=ports, derived_ports=port_blocks(job_id, 1)[0], tmp_base=env.get("RAYTRAIN_TMPDIR") or "/tmp",
-        job_dir=f"{base}/job-{job_id}", python=python, dashboard=env.get("RAYTRAIN_DASHBOARD", "1") == "1",
+        job_dir=job_dir(env, home), python=python, dashboard=env.get("RAYTRAIN_DASHBOARD", "1") == "1",
         module=env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_ddp.cluster import plan as planning
-from raytrain_ddp.cluster.node import LaunchError, Stop, alive, log, node_ip, port_busy, setup_logging, sweep, tagged_pids
+from raytrain_ddp.cluster.node import LaunchError, Stop, log, node_ip, port_busy, setup_logging, sweep, tagged_pids
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
 from raytrain_ddp.errors import ConfigError
 
@@ -59,6 +59,7 @@ class Launcher:
     def __init__(self, trainer_args: list[str]) -> None:
         self.args = list(trainer_args)
         self.steps: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []  # copy each step's output into the job log
         self.trainer: Optional[subprocess.Popen] = None
         self.got_usr1 = False
         self.requeue = False
@@ -95,6 +96,10 @@ class Launcher:
         if "address" in chosen:
             raise LaunchError("do not pass --address: the script points the trainer at this job's Ray cluster",
                               EXIT_BAD_INPUT)
+        # Before Ray is imported: one fresh token per job, in a file every node reads.
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN_PATH"] = f"{planning.job_dir(env, str(Path.home()))}/auth_token"
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
         try:
             import ray
         except ImportError:
@@ -102,8 +107,12 @@ class Launcher:
                               EXIT_BAD_INPUT) from None
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # compute nodes rarely reach the internet
 
-        nodes = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
-                               text=True, check=True).stdout.split()
+        listed = subprocess.run(["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")],
+                                capture_output=True, text=True)
+        nodes = listed.stdout.split()
+        if listed.returncode or not nodes:
+            raise LaunchError(f"scontrol show hostnames {env.get('SLURM_JOB_NODELIST', '')!r} failed: "
+                              f"{listed.stderr.strip() or 'no nodes'}", EXIT_BRINGUP)
         try:
             head_ip = head_address(env, nodes)
         except LaunchError as err:
@@ -128,9 +137,6 @@ class Launcher:
             except ConfigError as err:
                 raise LaunchError(str(err), EXIT_BAD_INPUT) from None
 
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN_PATH"] = f"{plan.job_dir}/auth_token"
-        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
         import raytrain_ddp
         log.info("job %d (restart count %d): %d node(s): %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
                  job_id, plan.restart_count, len(nodes), " ".join(nodes), plan.head, head_ip, ray.__version__,
@@ -177,7 +183,10 @@ class Launcher:
             job_dir = Path(plan.job_dir)
             shutil.rmtree(job_dir, ignore_errors=True)  # stale, from an earlier run of this job id
             job_dir.mkdir(parents=True)
-            os.chmod(job_dir.parent, 0o700)
+            try:
+                os.chmod(job_dir.parent, 0o700)
+            except OSError:
+                pass  # not ours: the job dir itself is private
             token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
             token.write_text(secrets.token_hex(32))
             token.chmod(0o600)
@@ -226,15 +235,17 @@ class Launcher:
         plan, node = self.plan, self.plan.nodes[index]
         role = "head" if index == 0 else "worker"
         # --overlap: the cleanup step later shares these nodes; --mem=0: all of the job's memory on the node.
-        cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", f"--cpus-per-task={plan.cpus[index]}",
-               "--mem=0", "--kill-on-bad-exit=0", f"--job-name=ray-{role}"]
-        if plan.gpus:
-            cmd.append(f"--gres=gpu:{plan.gpus}")  # with cgroup device limits, a step without them sees no GPU
+        cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+               f"--cpus-per-task={plan.cpus[index]}", "--mem=0", "--kill-on-bad-exit=0", f"--job-name=ray-{role}"]
+        if plan.step_gpus:
+            cmd.append(f"--gpus-per-node={plan.step_gpus}")  # with cgroup device limits, a step without them sees none
         cmd += [sys.executable, "-m", "raytrain_ddp.cluster", "node", plan.job_dir, str(index)]
         step = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", start_new_session=False)
-        threading.Thread(target=_prefix_lines, args=(step.stdout, f"[{node}] "), daemon=True).start()
+                                errors="replace")
+        reader = threading.Thread(target=_prefix_lines, args=(step.stdout, f"[{node}] "), daemon=True)
+        reader.start()
         self.steps.append(step)
+        self.readers.append(reader)
 
     def wait_for_head(self, timeout: float) -> None:
         plan = self.plan
@@ -336,6 +347,8 @@ class Launcher:
             for step in self.steps:  # srun turns TERM into a cancel of its step, which Slurm enforces
                 if step.poll() is None:
                     step.terminate()
+            for reader in self.readers:  # the steps' last lines, before this process writes its own
+                reader.join(timeout=5)
             # Belt and braces: sweep every node for this job's tagged processes (fails harmlessly when
             # Slurm is already tearing the job down).
             try:
