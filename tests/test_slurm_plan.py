@@ -128,6 +128,13 @@ def test_run_location_defaults_and_config_file(tmp_path):
     assert plan.worker_shape(chosen, 2, 0, 3).num_workers == 4
 
 
+def test_flags_of_another_trainer_module_are_left_to_it():
+    with pytest.raises(SystemExit) as refused:
+        plan.chosen_settings(["--hold-seconds", "5"])
+    assert refused.value.code == 2
+    assert plan.chosen_settings(["--hold-seconds", "5", "--name", "x"], module="my_probe") == {"name": "x"}
+
+
 def test_a_bad_config_file_is_a_config_error(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("nonsense = 1\n")

@@ -165,14 +165,15 @@ def fstype_of(path: str, mounts: str) -> str:
 
 
 # ------------------------------------------------------------------ the trainer's flags
-def chosen_settings(trainer_args: list[str]) -> dict:
+def chosen_settings(trainer_args: list[str], module: str = "raytrain_ddp.run") -> dict:
     """The settings the user chose (flags and --config file), read by the trainer's own parser.
 
     Raises SystemExit(2) with the parser's one line for a bad flag, ConfigError for a bad --config.
+    Another trainer module (RAYTRAIN_MODULE) may take flags of its own: those are left to it.
     """
     from raytrain_ddp.run import settings_from_args
 
-    return settings_from_args(trainer_args)
+    return settings_from_args(trainer_args, allow_unknown=module != "raytrain_ddp.run")
 
 
 @dataclasses.dataclass(frozen=True)

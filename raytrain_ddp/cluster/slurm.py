@@ -90,7 +90,7 @@ class Launcher:
             raise LaunchError("not inside a Slurm job; submit with: sbatch cluster/start_ray_slurm.sh [trainer args]",
                               EXIT_BAD_INPUT)
         try:
-            chosen = planning.chosen_settings(self.args)
+            chosen = planning.chosen_settings(self.args, env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run")
         except ConfigError as err:
             raise LaunchError(str(err), EXIT_BAD_INPUT) from None
         if "address" in chosen:
