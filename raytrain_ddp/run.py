@@ -56,13 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv: list[str] | None = None) -> TrainConfig:
-    """Defaults, then the TOML file, then the flags. Raises ConfigError."""
-    given = vars(build_parser().parse_args(argv))
+def settings_from_args(argv: list[str] | None = None, *, allow_unknown: bool = False) -> dict:
+    """The settings the user chose: the TOML file's, then the flags typed (defaults left out). Raises ConfigError.
+
+    allow_unknown: flags that are not the trainer's are left for another program (a launcher's custom module).
+    """
+    parser = build_parser()
+    given = vars(parser.parse_known_args(argv)[0] if allow_unknown else parser.parse_args(argv))
     config_file = given.pop("config", None)
     values = load_toml(config_file) if config_file else {}
     values.update(given)
-    return TrainConfig(**values)
+    return values
+
+
+def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then the flags. Raises ConfigError."""
+    return TrainConfig(**settings_from_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

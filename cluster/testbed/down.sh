@@ -69,10 +69,12 @@ if ip link show "$BRIDGE" >/dev/null 2>&1; then
     ip link delete "$BRIDGE"
 fi
 
-if [[ -f $SLURM_CONF ]] && grep -qF "$CONF_MARKER" "$SLURM_CONF"; then
-    log "removing $SLURM_CONF"
-    rm -f "$SLURM_CONF"
-fi
+for conf in "$SLURM_CONF" "$GRES_CONF"; do
+    if [[ -f $conf ]] && grep -qF "$CONF_MARKER" "$conf"; then
+        log "removing $conf"
+        rm -f "$conf"
+    fi
+done
 log "removing $TESTBED_DIR"
 rm -rf "$TESTBED_DIR"
 log "down"

@@ -42,9 +42,11 @@ if [[ -f $TESTBED_DIR/nodes.count ]]; then
     "$HERE/down.sh"
 fi
 
-if [[ -f $SLURM_CONF ]] && ! grep -qF "$CONF_MARKER" "$SLURM_CONF"; then
-    die "$SLURM_CONF exists and was not written by the testbed; refusing to overwrite it"
-fi
+for conf in "$SLURM_CONF" "$GRES_CONF"; do
+    if [[ -f $conf ]] && ! grep -qF "$CONF_MARKER" "$conf"; then
+        die "$conf exists and was not written by the testbed; refusing to overwrite it"
+    fi
+done
 for pid in $(pgrep -x slurmctld; pgrep -x slurmd); do
     # zombies of stopped daemons do not count (they linger on some hosts)
     pid_alive "$pid" && die "a slurmctld/slurmd not started by the testbed is running (pid $pid); stop it first"
@@ -116,6 +118,20 @@ for ((i = 1; i <= N; i++)); do
     "${nsx[@]}" ip route replace default via "$HOST_ADDR" dev eth0
 done
 
+# ---- fake GPUs: Slurm GRES needs device files; NVIDIA's major number, never opened ----
+# (a gres.conf line without File= is dropped by slurmd and the node set INVAL)
+mkdir -p "$TESTBED_DIR/dev" "$(dirname "$GRES_CONF")"
+for ((g = 0; g < FAKE_GPUS; g++)); do
+    [[ -e $TESTBED_DIR/dev/nvidia$g ]] || mknod "$TESTBED_DIR/dev/nvidia$g" c 195 "$g"
+done
+{
+    echo "$CONF_MARKER"
+    echo "AutoDetect=off"
+    for ((i = 1; i <= N; i++)); do
+        echo "NodeName=$(node_name "$i") Name=gpu File=$TESTBED_DIR/dev/nvidia[0-$((FAKE_GPUS - 1))]"
+    done
+} >"$GRES_CONF"
+
 # ---- slurm.conf ------------------------------------------------------------
 log "writing $SLURM_CONF"
 mkdir -p "$(dirname "$SLURM_CONF")"
@@ -159,7 +175,9 @@ SlurmdTimeout=60
 # not the hardware): a 1-worker-per-node Ray job needs a worker's CPUs plus
 # one whole CPU for data loading on each node.
 SlurmdParameters=config_overrides
-NodeName=DEFAULT CPUs=3 RealMemory=4000 State=UNKNOWN
+# GPUs that CUDA never sees (see gres.conf): a --use-gpu job gets as far as the CUDA probe.
+GresTypes=gpu
+NodeName=DEFAULT CPUs=3 RealMemory=4000 Gres=gpu:${FAKE_GPUS} State=UNKNOWN
 CONF
     for ((i = 1; i <= N; i++)); do
         echo "NodeName=$(node_name "$i") NodeAddr=$(node_addr "$i")"

@@ -1,4 +1,4 @@
-"""Real jobs on the local Slurm testbed: cluster/start_ray_slurm.sh end to end.
+"""Real jobs on the local Slurm testbed: cluster/start_ray_slurm.sh (raytrain_ddp.cluster.slurm) end to end.
 
 Run as root after cluster/testbed/install.sh:
     pytest -m slurm tests/slurm -v
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import HEAD_NETNS, NODES, Job, Testbed, job_processes
+from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -26,7 +26,7 @@ TOKEN_RE = re.compile(r"\b[0-9a-f]{64}\b")  # the per-job token is 32 random byt
 
 
 def derived_port(job_id: int) -> int:
-    """The GCS port the script derives from a job id (see start_ray_slurm.sh)."""
+    """The GCS port the launcher derives from a job id (see raytrain_ddp/cluster/plan.py)."""
     return 20000 + (job_id % 1000) * 10
 
 
@@ -63,6 +63,8 @@ def test_dry_run_plan(testbed: Testbed) -> None:
     base = derived_port(job.job_id)
     assert f"gcs {base}, dashboard {base + 1}" in job.log, show(job)
     assert "per node: cpus 3 3" in job.log, show(job)
+    # this checkout's raytrain_ddp (the nodes' steps inherit the environment)
+    assert f"(raytrain_ddp from {REPO / 'raytrain_ddp'})" in job.log, show(job)
     assert "expected workers 2" in job.log and "--use-gpu" not in job.log, show(job)
     assert "WARNING: --storage-path /tmp/not-shared looks node-local" in job.log, show(job)
 
@@ -71,6 +73,21 @@ def test_dry_run_plan(testbed: Testbed) -> None:
     assert "--use-gpu" in job.log and "expected workers 6" in job.log, show(job)
     assert f"run directory: {job.workdir}/runs/raytrain-{job.job_id}" in job.log, show(job)
     assert "WARNING" not in job.log, show(job)
+
+    # The trainer's flags are read by the trainer's parser: an abbreviation it accepts is the user's
+    # storage (not overridden by SUBMIT_DIR/runs), or refused by it before anything starts.
+    shared = testbed.workdir("dry-storage")
+    job = testbed.sbatch(TWO_NODES, ["--storage", str(shared)], name="dry-storage",
+                         env=testbed.env(RAYTRAIN_DRY_RUN="1"))
+    if job.returncode == 0:
+        assert f"run directory: {shared}/raytrain-{job.job_id}" in job.log, show(job)
+        assert "--storage-path" not in job.log, show(job)
+    else:
+        assert job.returncode == 2 and "--storage" in job.log and "run directory" not in job.log, show(job)
+    # ...and packed by its preflight: 4 workers x 1.5 CPUs do not fit 2 x 3 CPUs beside a CPU for loading.
+    job = testbed.sbatch(TWO_NODES, ["--num-workers", "4", "--cpus-per-worker", "1.5"], name="dry-cpus",
+                         env=testbed.env(RAYTRAIN_DRY_RUN="1"))
+    assert job.returncode == 2 and "ERROR: asked for 4 workers x 1.5 CPU" in job.log, show(job)
 
 
 def test_infeasible_worker_count_fails_fast(testbed: Testbed) -> None:
@@ -82,15 +99,47 @@ def test_infeasible_worker_count_fails_fast(testbed: Testbed) -> None:
     assert_no_leftovers(job)
 
 
-def test_train_two_nodes_one_worker_each(testbed: Testbed) -> None:
-    job = testbed.sbatch(TWO_NODES, SMALL_RUN, name="train", timeout=900)
-    assert job.returncode == 0, show(job)
-    log = job.log
+def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed) -> None:
+    """A 2-node training run, one worker per node, on shared storage; its derived Ray port is taken on
+    the head node, so it moves to the next free block (one job for both: a Ray bring-up costs ~30 s)."""
+    wd = testbed.workdir("train")
+    sub = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES,
+         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"), *SMALL_RUN],
+        cwd=wd, env=testbed.env(), capture_output=True, text=True, timeout=60, check=True,
+    )
+    job_id = int(sub.stdout.strip().split(";")[0])
+    port = derived_port(job_id)
+    # Occupy the derived GCS port on rtnode1 (the head) from inside its namespace.
+    squatter = subprocess.Popen(
+        ["nsenter", f"--net={HEAD_NETNS}", sys.executable, "-c",
+         "import socket,sys,time; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen();"
+         "print('listening', flush=True); time.sleep(900)", str(port)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        t0 = time.monotonic()
+        subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
+        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() - t0 < 900, "job did not finish"
+            time.sleep(1)
+        assert squatter.poll() is None, "the process holding the port must be left alone"
+    finally:
+        squatter.kill()
+        squatter.wait()
+    log = (wd / "job.out").read_text()
+    job = Job(job_id, 0, log, time.monotonic() - t0, wd)
+    assert f"derived port block {port} was busy" in log, show(job)
+    m = re.search(r"ports: gcs (\d+)", log)
+    assert m and int(m.group(1)) != port, show(job)
+    assert re.search(rf"trainer: .* --address 198\.18\.0\.11:{m.group(1)} ", log), show(job)  # the moved port
     assert "all 2 node(s) joined" in log, show(job)
     assert re.search(r"ssh -N -L 8265:198\.18\.0\.11:\d+ ", log), "ssh tunnel command missing"
     assert "auth_token" in log and not TOKEN_RE.search(log), "token file must be named, the token never printed"
+    assert "trainer exited with code 0" in log, show(job)
 
-    run_dir = job.workdir / "runs" / f"raytrain-{job.job_id}"
+    run_dir = wd / "runs" / f"raytrain-{job_id}"
     assert f"run directory: {run_dir}" in log, show(job)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished", summary
@@ -102,48 +151,6 @@ def test_train_two_nodes_one_worker_each(testbed: Testbed) -> None:
     assert len(checksums) == 2 and len(set(map(str, checksums))) == 1, f"DDP replicas diverged: {checksums}"
     best = Path(summary["best_checkpoint"])
     assert best.exists() and run_dir in best.parents, f"checkpoint {best} not in the shared run dir {run_dir}"
-    assert_no_leftovers(job)
-
-
-def test_port_collision_picks_another_block(testbed: Testbed) -> None:
-    """A job whose derived Ray port is taken on the head node moves to the
-    next free block and still brings up its 2-node Ray cluster."""
-    wd = testbed.workdir("collision")
-    env = testbed.env(RAYTRAIN_MODULE="ray_probe")
-    sub = subprocess.run(
-        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES,
-         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh")],
-        cwd=wd, env=env, capture_output=True, text=True, timeout=60, check=True,
-    )
-    job_id = int(sub.stdout.strip().split(";")[0])
-    port = derived_port(job_id)
-    # Occupy the derived GCS port on rtnode1 (the head) from inside its namespace.
-    squatter = subprocess.Popen(
-        ["nsenter", f"--net={HEAD_NETNS}", sys.executable, "-c",
-         "import socket,sys,time; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen();"
-         "print('listening', flush=True); time.sleep(600)", str(port)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert squatter.stdout.readline().strip() == "listening"
-        t0 = time.monotonic()
-        subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
-        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
-            assert time.monotonic() - t0 < 600, "job did not finish"
-            time.sleep(1)
-        assert squatter.poll() is None, "the process holding the port must be left alone"
-    finally:
-        squatter.kill()
-        squatter.wait()
-    log = (wd / "job.out").read_text()
-    job = Job(job_id, 0, log, time.monotonic() - t0, wd)
-    assert f"derived port block {port} was busy" in log, show(job)
-    m = re.search(r"ports: gcs (\d+)", log)
-    assert m and int(m.group(1)) != port, show(job)
-    probe = json.loads((wd / "runs" / f"raytrain-{job_id}" / "probe.json").read_text())
-    assert probe["address"].endswith(f":{m.group(1)}"), probe
-    assert len({n["node_ip"] for n in probe["tasks"]}) == 2, probe
-    assert "trainer exited with code 0" in log, show(job)
     assert_no_leftovers(job)
 
 

@@ -60,6 +60,3 @@ def main(argv: list[str] | None = None) -> int:
         return bad_input(err)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,284 @@
+"""What runs on each node of the job: its Ray node (one `srun` step per node), and the sweep of its processes.
+
+`python -m raytrain_ddp.cluster node JOB_DIR INDEX` starts node INDEX's Ray (head or worker) with
+--block and runs until Ray dies or the batch process asks it to stop (a `stop` file in the shared job
+dir: a clean exit, where signalling the step would make Slurm report it cancelled and SIGKILL it);
+on TERM, INT or any exit it stops exactly this node's Ray processes and removes its temp dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from raytrain_ddp.cluster.plan import JobPlan, gpu_mismatch, node_gpus, ray_process_env
+
+log = logging.getLogger("raytrain_ddp.cluster")
+
+
+class LaunchError(Exception):
+    """One line for the job log, and the job's exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Stop(BaseException):
+    """A signal ends the process: unwind through every `finally` with this exit code."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+class _Format(logging.Formatter):
+    def __init__(self, where: Optional[str]) -> None:
+        super().__init__()
+        self.where = where
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            message = "ERROR: " + message
+        return f"[raytrain {self.where or time.strftime('%H:%M:%S')}] {message}"
+
+
+def setup_logging(where: Optional[str] = None) -> None:
+    """`[raytrain HH:MM:SS] ...` (or `[raytrain HOST] ...` on a node): info to stdout, warnings and errors to stderr."""
+    out, err = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+    out.addFilter(lambda record: record.levelno < logging.WARNING)
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(_Format(where))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+# ------------------------------------------------------------------ processes
+def alive(pid: int) -> bool:
+    """A live process (zombies of stopped Ray processes do not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def tagged_pids(prefix: str) -> list[int]:
+    """Live processes with RAYTRAIN_RAY_TAG=<prefix...> in their environment.
+
+    Every Ray process of a node inherits it from the `ray start` we launch, workers whose parent
+    died included, so this finds exactly this job's Ray processes and nothing else.
+    """
+    needle = f"RAYTRAIN_RAY_TAG={prefix}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(entry.startswith(needle) for entry in environ) and alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def sweep(prefix: str, *dirs: str) -> None:
+    """Stop the processes tagged `prefix` (TERM, 10 s grace, KILL); remove `dirs`."""
+    pids = tagged_pids(prefix)
+    if pids:
+        _signal(pids, signal.SIGTERM)
+        for _ in range(50):
+            pids = tagged_pids(prefix)
+            if not pids:
+                break
+            time.sleep(0.2)
+        if pids:
+            log.info("killing Ray processes that ignored TERM on %s: %s", socket.gethostname(),
+                     " ".join(map(str, pids)))
+            _signal(pids, signal.SIGKILL)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def sweep_main(argv: list[str]) -> int:
+    """`sweep JOB_ID TMP_BASE`: every Ray process of the job on this node, and its temp dirs."""
+    job_id, tmp_base = argv
+    sweep(f"rt-{job_id}-", *map(str, Path(tmp_base).glob(f"rt{job_id}.[0-9]*")))
+    return 0
+
+
+# ------------------------------------------------------------------ addresses
+def global_addresses() -> list[tuple[str, str]]:
+    """(interface, address) of this node's global addresses, IPv4 first (`ip -o addr show scope global`)."""
+    out = subprocess.run(["ip", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] in ("inet", "inet6"):
+            found.append((fields[2], fields[1], fields[3].split("/")[0]))
+    return [(iface, addr) for family, iface, addr in sorted(found, key=lambda f: f[0] != "inet")]
+
+
+def route_source(towards: str) -> Optional[str]:
+    """This node's source address for packets to `towards` (a route lookup; no packet is sent)."""
+    family = socket.AF_INET6 if ":" in towards else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((towards, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def node_ip(towards: Optional[str]) -> str:
+    """This node's address for Ray: RAYTRAIN_NET_IFACE's if set, else the source address of the route
+    towards `towards` (the head), else the host name's address if configured here, else the first one."""
+    host = socket.gethostname().split(".")[0]
+    addresses = global_addresses()
+    iface = os.environ.get("RAYTRAIN_NET_IFACE")
+    if iface:
+        for name, addr in addresses:
+            if name == iface:
+                return addr
+        raise LaunchError(f"RAYTRAIN_NET_IFACE={iface} has no global address on {host}", 1)
+    mine = [addr for _, addr in addresses]
+    if towards and route_source(towards) in mine:
+        return route_source(towards)
+    try:
+        resolved = sorted({info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)},
+                          key=lambda a: ":" in a)
+    except OSError:
+        resolved = []
+    for addr in resolved:
+        if addr in mine:
+            return addr
+    if mine:
+        return mine[0]
+    raise LaunchError(f"no usable IP address on {host}; set RAYTRAIN_NET_IFACE or RAYTRAIN_HEAD_ADDR", 1)
+
+
+def interface_of(addr: str) -> Optional[str]:
+    return next((iface for iface, a in global_addresses() if a == addr), None)
+
+
+def port_busy(port: int) -> bool:
+    """Whether `port` cannot be bound here (IPv4, and IPv6 where the node has it)."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError as err:
+                if family == socket.AF_INET or err.errno == 98:  # no IPv6 stack: ignore
+                    return True
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ the node's Ray
+def ray_start_args(plan: JobPlan, role: str, ip: str, tmp: str, gpus: int, cpus: int, agent_port: int) -> list[str]:
+    args = ["start", "--block", "--disable-usage-stats", "--log-style=record", "--log-color=false",
+            f"--node-ip-address={ip}", f"--temp-dir={tmp}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
+            f"--dashboard-agent-listen-port={agent_port}"]
+    if os.environ.get("RAY_OBJECT_STORE_MEMORY"):
+        args.append(f"--object-store-memory={os.environ['RAY_OBJECT_STORE_MEMORY']}")
+    if role == "head":
+        args += ["--head", f"--port={plan.ports.gcs}", f"--ray-client-server-port={plan.ports.client}"]
+        args += ([f"--include-dashboard=true", f"--dashboard-host={ip}", f"--dashboard-port={plan.ports.dashboard}"]
+                 if plan.dashboard else ["--include-dashboard=false"])
+    else:
+        args.append(f"--address={plan.head_address}")
+    return args
+
+
+def node_main(argv: list[str]) -> int:
+    job_dir, index = argv[0], int(argv[1])
+    host = socket.gethostname().split(".")[0]
+    setup_logging(host)
+    plan = JobPlan.from_json(Path(job_dir, "plan.json").read_text())
+    role = "head" if index == 0 else "worker"
+    tag, tmp = plan.tag(index), plan.node_tmp(index)
+
+    def stop(code: int):
+        def handler(signum, frame):
+            raise Stop(code)
+        return handler
+
+    signal.signal(signal.SIGTERM, stop(143))
+    signal.signal(signal.SIGINT, stop(130))
+    try:
+        return _run_node(plan, index, role, host, tag, tmp)
+    except LaunchError as err:
+        log.error("%s", err)
+        Path(job_dir, f"node.{index}.error").write_text(f"{err}\n")
+        return err.code
+    except Stop as stopped:
+        return stopped.code
+    finally:
+        sweep(tag, tmp)
+
+
+def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: str) -> int:
+    shutil.rmtree(tmp, ignore_errors=True)  # stale, e.g. after a requeue
+    os.makedirs(tmp, mode=0o700)
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
+    if not os.access(token, os.R_OK):
+        raise LaunchError(f"auth token {token} is not readable on {host}; put RAYTRAIN_JOB_DIR_BASE on storage "
+                          "all nodes share", 1)
+    ip = plan.head_ip if role == "head" else node_ip(plan.head_ip)
+    # The dashboard agent's HTTP port defaults to a fixed 52365: the job's own, else any free one.
+    agent_port = plan.ports.agent
+    if port_busy(agent_port):
+        agent_port = free_port()
+        log.info("port %d busy here; dashboard agent uses %d", plan.ports.agent, agent_port)
+    gpus = node_gpus(os.environ, plan.gpus)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    log.info("CUDA_VISIBLE_DEVICES=%s; Ray will advertise %d GPU(s)", "unset" if visible is None else visible, gpus)
+    mismatch = gpu_mismatch(plan.nodes[index], visible, gpus)
+    if mismatch:
+        raise LaunchError(mismatch, 1)
+    Path(plan.job_dir, f"node.{index}").write_text(f"{plan.nodes[index]} {host} {ip}\n")
+
+    env = ray_process_env(os.environ)
+    env["RAYTRAIN_RAY_TAG"] = tag  # only in Ray's environment, so the sweep finds Ray's processes, never this one
+    nccl_iface = os.environ.get("RAYTRAIN_NET_IFACE") or interface_of(ip)
+    if nccl_iface and "NCCL_SOCKET_IFNAME" not in os.environ:
+        env["NCCL_SOCKET_IFNAME"] = nccl_iface
+    cpus = plan.cpus[index]
+    log.info("ray start (%s) ip=%s cpus=%d gpus=%d temp-dir=%s NCCL_SOCKET_IFNAME=%s", role, ip, cpus, gpus, tmp,
+             env.get("NCCL_SOCKET_IFNAME", "unset"))
+    ray = subprocess.Popen([plan.python, "-m", "ray.scripts.scripts",
+                            *ray_start_args(plan, role, ip, tmp, gpus, cpus, agent_port)], env=env)
+    stop_file = Path(plan.job_dir, "stop")
+    while ray.poll() is None:
+        if stop_file.exists():
+            log.info("stopping Ray (%s)", role)
+            sweep(tag, tmp)
+            ray.wait()
+            return 0
+        time.sleep(1)
+    log.info("ray (%s) exited with code %d", role, ray.returncode)
+    return ray.returncode

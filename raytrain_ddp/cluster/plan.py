@@ -1,0 +1,317 @@
+"""A Slurm allocation as a typed job plan: pure functions of the environment (no processes, no Ray).
+
+Everything here is a function of a mapping of environment variables (and, for
+the trainer's flags, of the trainer's own parser), so it is unit-tested with
+fake environments in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from typing import Optional
+
+EXIT_BRINGUP = 3  # the Ray cluster could not be brought up (the log says which node and why)
+
+# Set in the environment of every `ray start` and of the trainer: the dashboard's Train view
+# shows only runs whose state Ray Train tracks, which it does only when this is set.
+RAY_PROCESS_ENV = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
+
+# Per-job ports: a block of 4 (GCS, dashboard, Ray client server, dashboard agent HTTP) at
+# 20000 + (job id % 1000) * 10, between Ray's worker ports (10002-19999) and the kernel's
+# ephemeral range (32768+); a busy block moves to the next one.
+PORT_BASE, PORT_STRIDE, PORT_BLOCKS = 20000, 10, 1000
+
+NODE_LOCAL_RE = re.compile(r"^/(tmp|var/tmp|dev/shm|local|scratch/local|lscratch|localscratch)(/|$)")
+
+
+def ray_process_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` plus what every Ray process of a run needs (see RAY_PROCESS_ENV)."""
+    return {**env, **RAY_PROCESS_ENV}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ports:
+    gcs: int
+    dashboard: int
+    client: int
+    agent: int
+
+    @classmethod
+    def block(cls, base: int) -> "Ports":
+        return cls(base, base + 1, base + 2, base + 3)
+
+    def all(self) -> list[int]:
+        return [self.gcs, self.dashboard, self.client, self.agent]
+
+
+def port_blocks(job_id: int, tries: int = 100) -> list[Ports]:
+    """The port blocks a job tries, in order: the one derived from its id first."""
+    return [Ports.block(PORT_BASE + ((job_id + k) % PORT_BLOCKS) * PORT_STRIDE) for k in range(tries)]
+
+
+def hostport(host: str, port: int) -> str:
+    """host:port, bracketing an IPv6 address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def expand_cpu_list(spec: str) -> list[int]:
+    """Slurm's per-node CPU list, e.g. SLURM_JOB_CPUS_PER_NODE="8(x2),4" -> [8, 8, 4]."""
+    cpus: list[int] = []
+    for part in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"not a Slurm CPU list: {spec!r}")
+        cpus += [int(m.group(1))] * int(m.group(2) or 1)
+    return cpus
+
+
+def gpu_count(spec: Optional[str]) -> int:
+    """GPUs in a Slurm GPU/GRES spec: "3", "gpu:3", "a100:3", "gpu:a100:2(IDX:0-1)", "gres/gpu:3",
+    "gres:gpu:a100:2,gres/shard:1" (0 when there is no GPU part)."""
+    for item in filter(None, (spec or "").split(",")):
+        item = re.sub(r"^gres[/:]", "", item.strip())
+        item = re.sub(r"\(.*\)$", "", item)  # (IDX:0-1), (S:0)
+        if item.isdigit():
+            return int(item)
+        m = re.fullmatch(r"gpu(?::[^:]+)?:(\d+)", item)
+        if m:
+            return int(m.group(1))
+        m = re.fullmatch(r"([^:]+):(\d+)", item)
+        if m and not m.group(1).startswith(("gpu", "shard", "mps")):
+            return int(m.group(2))  # "a100:3": a GPU type (--gpus-per-node=a100:3)
+    return 0
+
+
+def id_list_count(ids: str) -> int:
+    """Entries in a list like SLURM_JOB_GPUS="0,1,2" or CUDA_VISIBLE_DEVICES="GPU-uuid,..." ("" -> 0)."""
+    return len([i for i in ids.split(",") if i.strip()])
+
+
+def cpus_per_node(env: Mapping[str, str], nnodes: int, fallback: int) -> list[int]:
+    """CPUs Ray gets on each node: RAYTRAIN_CPUS_PER_NODE, else --cpus-per-task, else Slurm's per-node list."""
+    for key in ("RAYTRAIN_CPUS_PER_NODE", "SLURM_CPUS_PER_TASK"):
+        if env.get(key):
+            return [int(env[key])] * nnodes
+    cpus = expand_cpu_list(env["SLURM_JOB_CPUS_PER_NODE"]) if env.get("SLURM_JOB_CPUS_PER_NODE") else []
+    return (cpus + [int(env.get("SLURM_CPUS_ON_NODE") or fallback)] * nnodes)[:nnodes]
+
+
+def gpus_per_node(env: Mapping[str, str], nnodes: int) -> tuple[int, bool]:
+    """GPUs per node as Slurm describes the job (each node re-reads its own), and whether Slurm
+    states it per node (only then is the worker count checked before Ray starts)."""
+    known = bool(env.get("RAYTRAIN_GPUS_PER_NODE") or env.get("SLURM_GPUS_PER_NODE"))
+    if env.get("RAYTRAIN_GPUS_PER_NODE"):
+        return int(env["RAYTRAIN_GPUS_PER_NODE"]), known
+    if env.get("SLURM_GPUS_ON_NODE"):
+        return int(env["SLURM_GPUS_ON_NODE"]), known
+    if env.get("SLURM_JOB_GPUS"):
+        return id_list_count(env["SLURM_JOB_GPUS"]), known
+    if env.get("SLURM_GPUS_PER_NODE"):
+        return gpu_count(env["SLURM_GPUS_PER_NODE"]), known
+    if env.get("SLURM_TRES_PER_NODE") or env.get("SLURM_GRES"):
+        return gpu_count(env.get("SLURM_TRES_PER_NODE") or env.get("SLURM_GRES")), known
+    if env.get("SLURM_GPUS"):
+        return gpu_count(env["SLURM_GPUS"]) // nnodes, known
+    return 0, known
+
+
+def node_gpus(env: Mapping[str, str], estimate: int) -> int:
+    """GPUs on this node according to Slurm inside its step (`estimate`: the job-wide guess)."""
+    if env.get("RAYTRAIN_GPUS_PER_NODE"):
+        return int(env["RAYTRAIN_GPUS_PER_NODE"])
+    if env.get("SLURM_GPUS_ON_NODE"):
+        return int(env["SLURM_GPUS_ON_NODE"])
+    ids = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS")
+    return id_list_count(ids) if ids else estimate
+
+
+def gpu_mismatch(node: str, visible: Optional[str], gpus: int) -> Optional[str]:
+    """One line when CUDA_VISIBLE_DEVICES disagrees with the GPUs Ray will advertise, else None.
+
+    Ray hands each GPU worker one entry of CUDA_VISIBLE_DEVICES: fewer entries than advertised GPUs
+    would put two workers on one GPU (or none on some)."""
+    if gpus and visible is not None and id_list_count(visible) != gpus:
+        return (f"{node}: Slurm gives this node {gpus} GPU(s) and Ray would advertise {gpus}, but "
+                f"CUDA_VISIBLE_DEVICES={visible!r} lists {id_list_count(visible)}; check the job's --gpus-per-node "
+                "(or RAYTRAIN_GPUS_PER_NODE) against the node's gres.conf")
+    return None
+
+
+def run_name(job_name: Optional[str], job_id: int) -> str:
+    """Default run name JOBNAME-JOBID: a requeued job keeps its id, hence its run directory."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", job_name or "raytrain").lstrip("._-") or "raytrain"
+    return f"{name}-{job_id}"
+
+
+def looks_node_local(path: str, fstype: str) -> bool:
+    return bool(NODE_LOCAL_RE.match(path)) or fstype == "tmpfs"
+
+
+def fstype_of(path: str, mounts: str) -> str:
+    """File system type of `path` from the text of /proc/mounts (the longest mount point above it)."""
+    best, kind = "", "?"
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+# ------------------------------------------------------------------ the trainer's flags
+def chosen_settings(trainer_args: list[str], module: str = "raytrain_ddp.run") -> dict:
+    """The settings the user chose (flags and --config file), read by the trainer's own parser.
+
+    Raises SystemExit(2) with the parser's one line for a bad flag, ConfigError for a bad --config.
+    Another trainer module (RAYTRAIN_MODULE) may take flags of its own: those are left to it.
+    """
+    from raytrain_ddp.run import settings_from_args
+
+    return settings_from_args(trainer_args, allow_unknown=module != "raytrain_ddp.run")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLocation:
+    storage: str
+    name: str
+    extra_args: list[str]  # what the launcher adds to the trainer's command line
+
+
+def run_location(chosen: Mapping, submit_dir: str, job_name: Optional[str], job_id: int) -> RunLocation:
+    """Run directory: the user's --storage-path/--name, else SUBMIT_DIR/runs and JOBNAME-JOBID."""
+    extra: list[str] = []
+    storage = chosen.get("storage_path")
+    if storage is None:
+        storage = f"{submit_dir}/runs"
+        extra += ["--storage-path", storage]
+    name = chosen.get("name")
+    if name is None:
+        name = run_name(job_name, job_id)
+        extra += ["--name", name]
+    return RunLocation(str(storage), str(name), extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerShape:
+    use_gpu: bool
+    num_workers: int
+    cpus_per_worker: float
+    extra_args: list[str]
+    note: Optional[str] = None
+
+
+def worker_shape(chosen: Mapping, nnodes: int, cluster_gpus: int, min_cpus: int) -> WorkerShape:
+    """The launcher's defaults for what the user left open: one worker per GPU (--use-gpu) when the job
+    has GPUs, else one per node; and a CPU worker per node takes all CPUs of its node but one.
+
+    That one CPU per node is left for Ray Data's loading tasks (a task needs 1 CPU on one node), and
+    with 3+ CPUs per node Ray cannot pack two workers onto one node.
+    """
+    from raytrain_ddp.config import TrainConfig
+
+    extra: list[str] = []
+    use_gpu = chosen.get("use_gpu")
+    if use_gpu is None:
+        use_gpu = cluster_gpus > 0
+        if use_gpu:
+            extra.append("--use-gpu")
+    workers = chosen.get("num_workers")
+    if workers is None:
+        workers = cluster_gpus if cluster_gpus > 0 else nnodes
+        extra += ["--num-workers", str(workers)]
+    cpus = chosen.get("cpus_per_worker")
+    note = None
+    if cpus is None:
+        cpus = TrainConfig.cpus_per_worker
+        if cluster_gpus == 0 and workers == nnodes:
+            cpus = max(min_cpus - 1, 1)
+            extra += ["--cpus-per-worker", str(cpus)]
+            if nnodes > 1 and min_cpus < 3:
+                note = (f"note: with {min_cpus} CPU(s) per node Ray may place two workers on one node; "
+                        "use --cpus-per-task=3 or more")
+    return WorkerShape(bool(use_gpu), int(workers), float(cpus), extra, note)
+
+
+def precheck(chosen: Mapping, shape: WorkerShape, nodes: list[str], cpus: list[int], gpus: int,
+             gpus_known: bool) -> None:
+    """ConfigError in a second, instead of after Ray's start-up, when the allocation cannot hold the
+    requested workers: the trainer's own packing (preflight), applied to what Slurm states per node."""
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.driver import preflight
+
+    if shape.use_gpu and not gpus_known:
+        return  # GPUs per node not stated by Slurm: the trainer checks against the live cluster
+    config = TrainConfig(**{**chosen, "use_gpu": shape.use_gpu, "num_workers": shape.num_workers,
+                            "cpus_per_worker": shape.cpus_per_worker})
+    table = [{"node_ip": n, "cpus": float(c), "gpus": float(gpus), "memory_gib": 0.0} for n, c in zip(nodes, cpus)]
+    preflight.check_fits(config, table)
+
+
+@dataclasses.dataclass
+class JobPlan:
+    """What one Slurm job's Ray cluster and training run will be."""
+
+    job_id: int
+    restart_count: int
+    nodes: list[str]
+    cpus: list[int]  # per node
+    gpus: int  # per node, as the job describes it (each node re-reads its own)
+    gpus_known: bool
+    step_gpus: int  # per node, as Slurm allocated them (RAYTRAIN_GPUS_PER_NODE aside): what each Ray step asks for
+    head_ip: str
+    ports: Ports
+    derived_ports: Ports
+    tmp_base: str
+    job_dir: str
+    python: str
+    dashboard: bool
+    module: str = "raytrain_ddp.run"
+
+    @property
+    def head(self) -> str:
+        return self.nodes[0]
+
+    @property
+    def head_address(self) -> str:
+        return hostport(self.head_ip, self.ports.gcs)
+
+    def tag(self, index: int) -> str:
+        """RAYTRAIN_RAY_TAG of node `index`'s Ray processes: finds exactly them, even orphans."""
+        return f"rt-{self.job_id}-{index}"
+
+    def node_tmp(self, index: int) -> str:
+        return f"{self.tmp_base}/rt{self.job_id}.{index}"  # short: Ray's socket paths must fit in 107 bytes
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobPlan":
+        values = json.loads(text)
+        values["ports"], values["derived_ports"] = Ports(**values["ports"]), Ports(**values["derived_ports"])
+        return cls(**values)
+
+
+def job_dir(env: Mapping[str, str], home: str) -> str:
+    """The job's private dir on storage every node sees (its auth token, the plan, what nodes report)."""
+    return f"{env.get('RAYTRAIN_JOB_DIR_BASE') or f'{home}/.raytrain'}/job-{env['SLURM_JOB_ID']}"
+
+
+def job_plan(env: Mapping[str, str], nodes: list[str], *, head_ip: str, ports: Ports, python: str,
+             home: str, fallback_cpus: int) -> JobPlan:
+    job_id = int(env["SLURM_JOB_ID"])
+    gpus, known = gpus_per_node(env, len(nodes))
+    return JobPlan(
+        job_id=job_id, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0), nodes=list(nodes),
+        cpus=cpus_per_node(env, len(nodes), fallback_cpus), gpus=gpus, gpus_known=known,
+        step_gpus=gpus_per_node({k: v for k, v in env.items() if k != "RAYTRAIN_GPUS_PER_NODE"}, len(nodes))[0],
+        head_ip=head_ip,
+        ports=ports, derived_ports=port_blocks(job_id, 1)[0], tmp_base=env.get("RAYTRAIN_TMPDIR") or "/tmp",
+        job_dir=job_dir(env, home), python=python, dashboard=env.get("RAYTRAIN_DASHBOARD", "1") == "1",
+        module=env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run")

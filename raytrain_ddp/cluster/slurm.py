@@ -1,0 +1,402 @@
+"""`python -m raytrain_ddp.cluster slurm [trainer args]`: one Slurm job = one Ray cluster = one training run.
+
+The batch part of cluster/start_ray_slurm.sh (which `exec`s this, so Slurm's USR1 reaches Python
+directly). On the job's first node: plan the cluster from Slurm's environment (raytrain_ddp.cluster.plan),
+start a Ray head here and one Ray worker per other node (one background `srun` step per node, running
+raytrain_ddp.cluster.node), wait until every node has joined, run the trainer against it, forward
+USR1 to the trainer, stop exactly this job's Ray processes however the job ends, and requeue the job
+when the trainer stopped after a checkpoint on USR1. The exit code is the trainer's; 3 means the Ray
+cluster could not be brought up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from raytrain_ddp.cluster import plan as planning
+from raytrain_ddp.cluster.node import LaunchError, Stop, log, node_ip, port_busy, setup_logging, sweep, tagged_pids
+from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
+from raytrain_ddp.errors import ConfigError
+
+EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
+
+
+def head_address(env: dict, nodes: list[str]) -> str:
+    """RAYTRAIN_HEAD_ADDR, else this node's address; preferring the one that reaches the other nodes."""
+    if env.get("RAYTRAIN_HEAD_ADDR"):
+        return env["RAYTRAIN_HEAD_ADDR"]
+    if not env.get("RAYTRAIN_NET_IFACE") and len(nodes) > 1:
+        try:
+            peer = socket.getaddrinfo(nodes[1], None, socket.AF_INET)[0][4][0]
+        except (OSError, IndexError):
+            peer = None
+        if peer and not peer.startswith("127."):
+            return node_ip(peer)
+    return node_ip(None)
+
+
+def free_port_block(job_id: int, head: str) -> planning.Ports:
+    for ports in planning.port_blocks(job_id):
+        busy = [p for p in ports.all() if port_busy(p)]
+        if not busy:
+            return ports
+        log.info("ports busy on %s: %s (block %d); trying the next block", head, " ".join(map(str, busy)), ports.gcs)
+    raise LaunchError(f"no free port block in 20000-29999 on {head}", EXIT_BRINGUP)
+
+
+class Launcher:
+    def __init__(self, trainer_args: list[str]) -> None:
+        self.args = list(trainer_args)
+        self.steps: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []  # copy each step's output into the job log
+        self.trainer: Optional[subprocess.Popen] = None
+        self.got_usr1 = False
+        self.requeue = False
+        self.plan: Optional[JobPlan] = None
+        self.name = ""
+
+    # ---------------------------------------------------------------- signals
+    def on_usr1(self, signum, frame) -> None:
+        """The pre-timeout warning (--signal=B:USR1@300): the trainer checkpoints at its next step and exits 75."""
+        self.got_usr1 = True
+        if self.trainer and self.trainer.poll() is None:
+            log.info("got USR1 (time limit near): forwarding to the trainer (pid %d)", self.trainer.pid)
+            self.trainer.send_signal(signal.SIGUSR1)
+        else:
+            log.info("got USR1 (time limit near) before the trainer started; nothing to forward")
+
+    @staticmethod
+    def on_stop(what: str, code: int):
+        def handler(signum, frame):
+            log.info("got %s: shutting down", what)
+            raise Stop(code)
+        return handler
+
+    # ---------------------------------------------------------------- the job
+    def run(self) -> int:
+        env = os.environ
+        if not env.get("SLURM_JOB_ID"):
+            raise LaunchError("not inside a Slurm job; submit with: sbatch cluster/start_ray_slurm.sh [trainer args]",
+                              EXIT_BAD_INPUT)
+        try:
+            chosen = planning.chosen_settings(self.args, env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run")
+        except ConfigError as err:
+            raise LaunchError(str(err), EXIT_BAD_INPUT) from None
+        if "address" in chosen:
+            raise LaunchError("do not pass --address: the script points the trainer at this job's Ray cluster",
+                              EXIT_BAD_INPUT)
+        # Before Ray is imported: one fresh token per job, in a file every node reads.
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN_PATH"] = f"{planning.job_dir(env, str(Path.home()))}/auth_token"
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
+        try:
+            import ray
+        except ImportError:
+            raise LaunchError(f"'{sys.executable}' cannot import ray; install the project into that environment",
+                              EXIT_BAD_INPUT) from None
+        env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # compute nodes rarely reach the internet
+
+        listed = subprocess.run(["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")],
+                                capture_output=True, text=True)
+        nodes = listed.stdout.split()
+        if listed.returncode or not nodes:
+            raise LaunchError(f"scontrol show hostnames {env.get('SLURM_JOB_NODELIST', '')!r} failed: "
+                              f"{listed.stderr.strip() or 'no nodes'}", EXIT_BRINGUP)
+        try:
+            head_ip = head_address(env, nodes)
+        except LaunchError as err:
+            raise LaunchError(str(err), EXIT_BRINGUP) from None
+        job_id = int(env["SLURM_JOB_ID"])
+        ports = free_port_block(job_id, nodes[0])
+        plan = self.plan = planning.job_plan(env, nodes, head_ip=head_ip, ports=ports, python=sys.executable,
+                                             home=str(Path.home()), fallback_cpus=os.cpu_count() or 1)
+        if ports != plan.derived_ports:
+            log.info("derived port block %d was busy; using port block %d", plan.derived_ports.gcs, ports.gcs)
+
+        where = planning.run_location(chosen, env.get("SLURM_SUBMIT_DIR") or os.getcwd(), env.get("SLURM_JOB_NAME"),
+                                      job_id)
+        self.name = where.name
+        self.args += where.extra_args
+        if len(nodes) > 1:
+            self.warn_node_local(where.storage, len(nodes))
+        if "num_workers" in chosen and env.get("RAYTRAIN_PRECHECK", "1") == "1":
+            shape = planning.worker_shape(chosen, len(nodes), plan.gpus * len(nodes), min(plan.cpus))
+            try:
+                planning.precheck(chosen, shape, nodes, plan.cpus, plan.gpus, plan.gpus_known)
+            except ConfigError as err:
+                raise LaunchError(str(err), EXIT_BAD_INPUT) from None
+
+        import raytrain_ddp
+        log.info("job %d (restart count %d): %d node(s): %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
+                 job_id, plan.restart_count, len(nodes), " ".join(nodes), plan.head, head_ip, ray.__version__,
+                 sys.executable, Path(raytrain_ddp.__file__).parent)
+        log.info("per node: cpus %s; gpus ~%d (each node re-reads its own allocation)", " ".join(map(str, plan.cpus)),
+                 plan.gpus)
+        log.info("ports: gcs %d, dashboard %d, client %d, agent %d", *ports.all())
+        log.info("run directory: %s/%s", where.storage, where.name)
+        if env.get("RAYTRAIN_DRY_RUN") == "1":
+            gpu = " --use-gpu" if plan.gpus > 0 else ""
+            log.info("dry run: would run %s -u -m %s --address %s [--num-workers from cluster]%s %s", sys.executable,
+                     plan.module, plan.head_address, gpu, " ".join(self.args))
+            log.info("dry run: expected workers %d", plan.gpus * len(nodes) if plan.gpus > 0 else len(nodes))
+            return 0
+        rc = 1
+        try:
+            rc = self.bring_up_and_train(chosen)
+        except LaunchError as err:
+            log.error("%s", err)
+            rc = err.code
+        except Stop as stopped:
+            rc = stopped.code
+        finally:
+            self.cleanup(rc)
+        return rc
+
+    def warn_node_local(self, storage: str, nnodes: int) -> None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            mounts = ""
+        fstype = planning.fstype_of(os.path.realpath(storage), mounts)
+        if planning.looks_node_local(storage, fstype):
+            for _ in range(3):
+                log.warning("!!!!!! WARNING: --storage-path %s looks node-local (%s), but this job spans %d nodes.",
+                            storage, fstype, nnodes)
+            log.warning("!!!!!! Checkpoints written by other nodes will not be visible on %s; use shared storage.",
+                        self.plan.head)
+
+    def bring_up_and_train(self, chosen: dict) -> int:
+        plan = self.plan
+        old_umask = os.umask(0o077)  # token and job dir are private to the user
+        try:
+            job_dir = Path(plan.job_dir)
+            shutil.rmtree(job_dir, ignore_errors=True)  # stale, from an earlier run of this job id
+            job_dir.mkdir(parents=True)
+            try:
+                os.chmod(job_dir.parent, 0o700)
+            except OSError:
+                pass  # not ours: the job dir itself is private
+            token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
+            token.write_text(secrets.token_hex(32))
+            token.chmod(0o600)
+            (job_dir / "plan.json").write_text(plan.to_json())
+        finally:
+            os.umask(old_umask)
+
+        log.info("starting Ray head on %s", plan.head)
+        self.start_node(0)
+        self.wait_for_head(float(os.environ.get("RAYTRAIN_HEAD_TIMEOUT", "120")))
+        for i in range(1, len(plan.nodes)):
+            log.info("starting Ray worker on %s", plan.nodes[i])
+            self.start_node(i)
+        cluster_cpus, cluster_gpus = self.wait_for_nodes(float(os.environ.get("RAYTRAIN_JOIN_TIMEOUT", "180")))
+        log.info("cluster resources: %d CPUs, %d GPUs", cluster_cpus, cluster_gpus)
+        if plan.dashboard:
+            dash = hostport(plan.head_ip, plan.ports.dashboard)
+            user = os.environ.get("USER") or os.environ.get("LOGNAME") or "you"
+            log.info("Ray dashboard: http://%s", dash)
+            log.info("from your laptop: ssh -N -L 8265:%s %s@%s   then open http://localhost:8265", dash, user,
+                     os.environ.get("SLURM_SUBMIT_HOST", "LOGIN_NODE"))
+            log.info("log in with this job's token: the contents of %s (readable only by you; deleted when the job "
+                     "ends)", os.environ["RAY_AUTH_TOKEN_PATH"])
+
+        shape = planning.worker_shape(chosen, len(plan.nodes), cluster_gpus, min(plan.cpus))
+        if shape.note:
+            log.info("%s", shape.note)
+        cmd = [sys.executable, "-u", "-m", plan.module, "--address", plan.head_address, *shape.extra_args, *self.args]
+        log.info("trainer: %s", " ".join(cmd))
+        self.trainer = subprocess.Popen(cmd, env=planning.ray_process_env(os.environ))
+        rc = self.trainer.wait()  # a handled USR1 does not end the wait (PEP 475)
+        self.trainer = None
+        log.info("trainer exited with code %d; run directory: %s", rc, self.run_dir(chosen))
+        if rc == EXIT_STOPPED and self.got_usr1:
+            log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
+            self.requeue = True
+        return rc
+
+    def run_dir(self, chosen: dict) -> str:
+        where = planning.run_location(chosen, os.environ.get("SLURM_SUBMIT_DIR") or os.getcwd(),
+                                      os.environ.get("SLURM_JOB_NAME"), self.plan.job_id)
+        return f"{where.storage}/{where.name}"
+
+    def start_node(self, index: int) -> None:
+        """One background srun step per node: its Ray node, given the node's CPUs and GPUs."""
+        plan, node = self.plan, self.plan.nodes[index]
+        role = "head" if index == 0 else "worker"
+        # --overlap: the cleanup step later shares these nodes; --mem=0: all of the job's memory on the node.
+        cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+               f"--cpus-per-task={plan.cpus[index]}", "--mem=0", "--kill-on-bad-exit=0", f"--job-name=ray-{role}"]
+        if plan.step_gpus:
+            cmd.append(f"--gpus-per-node={plan.step_gpus}")  # with cgroup device limits, a step without them sees none
+        cmd += [sys.executable, "-m", "raytrain_ddp.cluster", "node", plan.job_dir, str(index)]
+        step = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace")
+        reader = threading.Thread(target=_prefix_lines, args=(step.stdout, f"[{node}] "), daemon=True)
+        reader.start()
+        self.steps.append(step)
+        self.readers.append(reader)
+
+    def wait_for_head(self, timeout: float) -> None:
+        plan = self.plan
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((plan.head_ip, plan.ports.gcs), 1).close()
+                return
+            except OSError:
+                pass
+            if self.steps[0].poll() is not None:
+                raise LaunchError(self.node_error(0) or f"Ray head on {plan.head} exited during start-up (see the "
+                                  f"[{plan.head}] lines above)", EXIT_BRINGUP)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"Ray head on {plan.head} did not open {plan.head_address} within {timeout:.0f}s",
+                                  EXIT_BRINGUP)
+            time.sleep(0.5)
+
+    def node_error(self, index: int) -> Optional[str]:
+        path = Path(self.plan.job_dir, f"node.{index}.error")
+        return path.read_text().strip() if path.exists() else None
+
+    def wait_for_nodes(self, timeout: float) -> tuple[int, int]:
+        """Until every node is in the Ray cluster (never silently): through the node table preflight uses.
+
+        Returns the cluster's CPUs and GPUs; LaunchError naming the missing nodes on timeout or when a
+        node's `ray start` exited."""
+        import ray
+
+        from raytrain_ddp.driver import preflight
+
+        plan = self.plan
+        want = len(plan.nodes)
+        log.info("waiting up to %.0fs for %d node(s) to join %s", timeout, want, plan.head_address)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                preflight.init_ray(plan.head_address, logging_level=logging.ERROR, log_to_driver=False)
+                break
+            except ConfigError as err:
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"cannot connect to the Ray head at {plan.head_address}: {err}",
+                                      EXIT_BRINGUP) from None
+                time.sleep(1)
+        try:
+            while True:
+                table = preflight.node_table()
+                if len(table) >= want:
+                    joined = " ".join(sorted(f"{n['hostname']}={n['node_ip']}" for n in table))
+                    log.info("all %d node(s) joined: %s", want, joined)
+                    return int(sum(n["cpus"] for n in table)), int(sum(n["gpus"] for n in table))
+                missing = self.missing_nodes(table)
+                dead = [i for i, step in enumerate(self.steps) if step.poll() is not None and plan.nodes[i] in missing]
+                if dead or time.monotonic() > deadline:
+                    errors = [e for e in map(self.node_error, dead) if e]
+                    why = ("; ".join(errors) if errors else
+                           f"ray start exited on {', '.join(plan.nodes[i] for i in dead)}" if dead else
+                           f"timeout after {timeout:.0f}s")
+                    raise LaunchError(f"only {len(table)}/{want} nodes joined ({why}); missing: "
+                                      f"{', '.join(missing.values())}; the [node] lines above show each node's "
+                                      "ray start output", EXIT_BRINGUP)
+                time.sleep(1)
+        finally:
+            ray.shutdown()
+
+    def missing_nodes(self, table: list[dict]) -> dict[str, str]:
+        """{slurm node: description} of the nodes not (yet) in the Ray cluster."""
+        ips = {n["node_ip"] for n in table}
+        hosts = {n["hostname"].split(".")[0] for n in table}
+        out = {}
+        for i, node in enumerate(self.plan.nodes):
+            try:
+                _, host, ip = Path(self.plan.job_dir, f"node.{i}").read_text().split()
+            except (OSError, ValueError):
+                out[node] = f"{node} (its ray start has not reported an address)"
+                continue
+            if ip not in ips and host not in hosts and node not in hosts:
+                out[node] = f"{node} ({ip})"
+        return out
+
+    # ---------------------------------------------------------------- however the job ends
+    def cleanup(self, rc: int) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+        plan = self.plan
+        if self.trainer and self.trainer.poll() is None:
+            log.info("stopping the trainer (pid %d)", self.trainer.pid)
+            self.trainer.terminate()
+            try:
+                self.trainer.wait(10)
+            except subprocess.TimeoutExpired:
+                self.trainer.kill()
+        if self.steps:
+            log.info("stopping Ray on %d node(s)", len(plan.nodes))
+            Path(plan.job_dir, "stop").touch()  # each node's step watches for it, stops its Ray and exits
+            deadline = time.monotonic() + 15  # (Slurm's KillWait, 30 s by default, bounds the whole cleanup)
+            while any(s.poll() is None for s in self.steps) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for step in self.steps:  # srun turns TERM into a cancel of its step, which Slurm enforces
+                if step.poll() is None:
+                    step.terminate()
+            for reader in self.readers:  # the steps' last lines, before this process writes its own
+                reader.join(timeout=5)
+            # Belt and braces: sweep every node for this job's tagged processes (fails harmlessly when
+            # Slurm is already tearing the job down).
+            try:
+                subprocess.run(["srun", "--overlap", f"--nodes={len(plan.nodes)}", "--ntasks-per-node=1",
+                                "--cpus-per-task=1", "--mem=0", sys.executable, "-m", "raytrain_ddp.cluster", "sweep",
+                                str(plan.job_id), plan.tmp_base], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        prefix = f"rt-{plan.job_id}-"
+        sweep(prefix, *map(str, Path(plan.tmp_base).glob(f"rt{plan.job_id}.[0-9]*")), plan.job_dir)
+        left = tagged_pids(prefix)
+        if left:
+            log.error("some Ray processes of job %d survived cleanup on %s: %s", plan.job_id, plan.head,
+                      " ".join(map(str, left)))
+        else:
+            log.info("cleanup done: no Ray process of job %d left on %s; exit code %d", plan.job_id, plan.head, rc)
+
+    def requeue_job(self) -> bool:
+        """Only once Ray is stopped on every node: requeueing ends this job at once."""
+        plan = self.plan
+        if subprocess.run(["scontrol", "requeue", str(plan.job_id)]).returncode == 0:
+            log.info("requeued job %d (restart %d): it resumes run %s from its checkpoint", plan.job_id,
+                     plan.restart_count + 1, self.name)
+            return True
+        log.error("scontrol requeue %d failed; submit the same command again to resume run %s", plan.job_id, self.name)
+        return False
+
+
+def _prefix_lines(stream, prefix: str) -> None:
+    for line in stream:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    setup_logging()
+    launcher = Launcher(argv)
+    signal.signal(signal.SIGUSR1, launcher.on_usr1)
+    signal.signal(signal.SIGTERM, Launcher.on_stop("TERM (scancel or time limit)", 143))
+    signal.signal(signal.SIGINT, Launcher.on_stop("INT", 130))
+    try:
+        rc = launcher.run()
+    except LaunchError as err:
+        log.error("%s", err)
+        rc = err.code
+    except Stop as stopped:
+        rc = stopped.code
+    if launcher.requeue and launcher.requeue_job():
+        return 0  # not a failure: the job runs again
+    return rc
