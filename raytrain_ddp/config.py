@@ -200,7 +200,7 @@ UPPER_LIMITS = {
 }
 
 
-def _check_values(config: "TrainConfig") -> None:
+def _check_values(config: TrainConfig) -> None:
     """Numbers finite and within limits (NaN would pass every `<` test), strings not empty."""
     for f in fields(config):
         value = getattr(config, f.name)
@@ -237,7 +237,7 @@ def _timestamp() -> str:
     import datetime
     import secrets
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return now.strftime("%Y%m%d-%H%M%S-") + f"{now.microsecond // 1000:03d}Z-{secrets.token_hex(2)}"
 
 

@@ -13,15 +13,15 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from support import run_cli
 
 from raytrain_ddp import fit
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.evaluate import evaluate_checkpoint
 from raytrain_ddp.data.pipeline import synthetic_spec
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.evaluate import evaluate_checkpoint
 from raytrain_ddp.models import build_model
 from raytrain_ddp.worker.loop import Trainer
-from support import run_cli
 
 DATASETS = {"cnn": "synthetic", "mlp": "synthetic-tabular", "transformer": "synthetic-tokens"}
 BATCH = 4

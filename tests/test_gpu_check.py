@@ -9,9 +9,9 @@ import tarfile
 
 import pytest
 import torch
+from support import REPO, run_cli
 
 from bench.gpu_check import environment, unpack_carried
-from support import REPO, run_cli
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals a CPU-only machine gives")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import threading
 import time
 from pathlib import Path
@@ -43,10 +42,9 @@ def _blocked_rank(rank: int, store_dir: str, result_file: str) -> None:
     """Rank 0 sits in an all-reduce, heartbeat running, until rank 1 has seen it post three times."""
     import torch
     import torch.distributed as dist
+    import worker_hooks
 
     from raytrain_ddp.worker.metrics import EpochMeter, Heartbeat
-
-    import worker_hooks
 
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=2)
     posts = Path(store_dir) / "posts"

@@ -17,9 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
-from raytrain_ddp.cluster.plan import JobPlan, gpu_mismatch, node_gpus, ray_process_env
+from raytrain_ddp.cluster.plan import JobPlan, gpu_mismatch, node_gpus
 
 log = logging.getLogger("raytrain_ddp.cluster")
 
@@ -40,7 +39,7 @@ class Stop(BaseException):
 
 
 class _Format(logging.Formatter):
-    def __init__(self, where: Optional[str]) -> None:
+    def __init__(self, where: str | None) -> None:
         super().__init__()
         self.where = where
 
@@ -51,7 +50,7 @@ class _Format(logging.Formatter):
         return f"[raytrain {self.where or time.strftime('%H:%M:%S')}] {message}"
 
 
-def setup_logging(where: Optional[str] = None) -> None:
+def setup_logging(where: str | None = None) -> None:
     """`[raytrain HH:MM:SS] ...` (or `[raytrain HOST] ...` on a node): info to stdout, warnings and errors to stderr."""
     out, err = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
     out.addFilter(lambda record: record.levelno < logging.WARNING)
@@ -138,7 +137,7 @@ def global_addresses() -> list[tuple[str, str]]:
     return [(iface, addr) for family, iface, addr in sorted(found, key=lambda f: f[0] != "inet")]
 
 
-def route_source(towards: str) -> Optional[str]:
+def route_source(towards: str) -> str | None:
     """This node's source address for packets to `towards` (a route lookup; no packet is sent)."""
     family = socket.AF_INET6 if ":" in towards else socket.AF_INET
     try:
@@ -149,7 +148,7 @@ def route_source(towards: str) -> Optional[str]:
         return None
 
 
-def node_ip(towards: Optional[str]) -> str:
+def node_ip(towards: str | None) -> str:
     """This node's address for Ray: RAYTRAIN_NET_IFACE's if set, else the source address of the route
     towards `towards` (the head), else the host name's address if configured here, else the first one."""
     host = socket.gethostname().split(".")[0]
@@ -176,7 +175,7 @@ def node_ip(towards: Optional[str]) -> str:
     raise LaunchError(f"no usable IP address on {host}; set RAYTRAIN_NET_IFACE or RAYTRAIN_HEAD_ADDR", 1)
 
 
-def interface_of(addr: str) -> Optional[str]:
+def interface_of(addr: str) -> str | None:
     return next((iface for iface, a in global_addresses() if a == addr), None)
 
 
@@ -207,7 +206,7 @@ def ray_start_args(plan: JobPlan, role: str, ip: str, tmp: str, gpus: int, cpus:
         args.append(f"--object-store-memory={os.environ['RAY_OBJECT_STORE_MEMORY']}")
     if role == "head":
         args += ["--head", f"--port={plan.ports.gcs}", f"--ray-client-server-port={plan.ports.client}"]
-        args += ([f"--include-dashboard=true", f"--dashboard-host={ip}", f"--dashboard-port={plan.ports.dashboard}"]
+        args += (["--include-dashboard=true", f"--dashboard-host={ip}", f"--dashboard-port={plan.ports.dashboard}"]
                  if plan.dashboard else ["--include-dashboard=false"])
     else:
         args.append(f"--address={plan.head_address}")
@@ -262,7 +261,7 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         raise LaunchError(mismatch, 1)
     Path(plan.job_dir, f"node.{index}").write_text(f"{plan.nodes[index]} {host} {ip}\n")
 
-    env = ray_process_env(os.environ)
+    env = dict(os.environ)  # the Train view needs nothing of `ray start`: the trainer turns on state tracking
     env["RAYTRAIN_RAY_TAG"] = tag  # only in Ray's environment, so the sweep finds Ray's processes, never this one
     nccl_iface = os.environ.get("RAYTRAIN_NET_IFACE") or interface_of(ip)
     if nccl_iface and "NCCL_SOCKET_IFNAME" not in os.environ:

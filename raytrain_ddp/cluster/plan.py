@@ -11,13 +11,8 @@ import dataclasses
 import json
 import re
 from collections.abc import Mapping
-from typing import Optional
 
 EXIT_BRINGUP = 3  # the Ray cluster could not be brought up (the log says which node and why)
-
-# Set in the environment of every `ray start` and of the trainer: the dashboard's Train view
-# shows only runs whose state Ray Train tracks, which it does only when this is set.
-RAY_PROCESS_ENV = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
 
 # Per-job ports: a block of 4 (GCS, dashboard, Ray client server, dashboard agent HTTP) at
 # 20000 + (job id % 1000) * 10, between Ray's worker ports (10002-19999) and the kernel's
@@ -26,10 +21,6 @@ PORT_BASE, PORT_STRIDE, PORT_BLOCKS = 20000, 10, 1000
 
 NODE_LOCAL_RE = re.compile(r"^/(tmp|var/tmp|dev/shm|local|scratch/local|lscratch|localscratch)(/|$)")
 
-
-def ray_process_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` plus what every Ray process of a run needs (see RAY_PROCESS_ENV)."""
-    return {**env, **RAY_PROCESS_ENV}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +31,7 @@ class Ports:
     agent: int
 
     @classmethod
-    def block(cls, base: int) -> "Ports":
+    def block(cls, base: int) -> Ports:
         return cls(base, base + 1, base + 2, base + 3)
 
     def all(self) -> list[int]:
@@ -68,7 +59,7 @@ def expand_cpu_list(spec: str) -> list[int]:
     return cpus
 
 
-def gpu_count(spec: Optional[str]) -> int:
+def gpu_count(spec: str | None) -> int:
     """GPUs in a Slurm GPU/GRES spec: "3", "gpu:3", "a100:3", "gpu:a100:2(IDX:0-1)", "gres/gpu:3",
     "gres:gpu:a100:2,gres/shard:1" (0 when there is no GPU part)."""
     for item in filter(None, (spec or "").split(",")):
@@ -128,7 +119,7 @@ def node_gpus(env: Mapping[str, str], estimate: int) -> int:
     return id_list_count(ids) if ids else estimate
 
 
-def gpu_mismatch(node: str, visible: Optional[str], gpus: int) -> Optional[str]:
+def gpu_mismatch(node: str, visible: str | None, gpus: int) -> str | None:
     """One line when CUDA_VISIBLE_DEVICES disagrees with the GPUs Ray will advertise, else None.
 
     Ray hands each GPU worker one entry of CUDA_VISIBLE_DEVICES: fewer entries than advertised GPUs
@@ -140,7 +131,7 @@ def gpu_mismatch(node: str, visible: Optional[str], gpus: int) -> Optional[str]:
     return None
 
 
-def run_name(job_name: Optional[str], job_id: int) -> str:
+def run_name(job_name: str | None, job_id: int) -> str:
     """Default run name JOBNAME-JOBID: a requeued job keeps its id, hence its run directory."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", job_name or "raytrain").lstrip("._-") or "raytrain"
     return f"{name}-{job_id}"
@@ -183,7 +174,7 @@ class RunLocation:
     extra_args: list[str]  # what the launcher adds to the trainer's command line
 
 
-def run_location(chosen: Mapping, submit_dir: str, job_name: Optional[str], job_id: int) -> RunLocation:
+def run_location(chosen: Mapping, submit_dir: str, job_name: str | None, job_id: int) -> RunLocation:
     """Run directory: the user's --storage-path/--name, else SUBMIT_DIR/runs and JOBNAME-JOBID."""
     extra: list[str] = []
     storage = chosen.get("storage_path")
@@ -203,7 +194,7 @@ class WorkerShape:
     num_workers: int
     cpus_per_worker: float
     extra_args: list[str]
-    note: Optional[str] = None
+    note: str | None = None
 
 
 def worker_shape(chosen: Mapping, nnodes: int, cluster_gpus: int, min_cpus: int) -> WorkerShape:
@@ -292,7 +283,7 @@ class JobPlan:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "JobPlan":
+    def from_json(cls, text: str) -> JobPlan:
         values = json.loads(text)
         values["ports"], values["derived_ports"] = Ports(**values["ports"]), Ports(**values["derived_ports"])
         return cls(**values)

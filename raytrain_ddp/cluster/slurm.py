@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 from raytrain_ddp.cluster import plan as planning
 from raytrain_ddp.cluster.node import LaunchError, Stop, log, node_ip, port_busy, setup_logging, sweep, tagged_pids
@@ -60,10 +59,10 @@ class Launcher:
         self.args = list(trainer_args)
         self.steps: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []  # copy each step's output into the job log
-        self.trainer: Optional[subprocess.Popen] = None
+        self.trainer: subprocess.Popen | None = None
         self.got_usr1 = False
         self.requeue = False
-        self.plan: Optional[JobPlan] = None
+        self.plan: JobPlan | None = None
         self.name = ""
 
     # ---------------------------------------------------------------- signals
@@ -216,7 +215,7 @@ class Launcher:
             log.info("%s", shape.note)
         cmd = [sys.executable, "-u", "-m", plan.module, "--address", plan.head_address, *shape.extra_args, *self.args]
         log.info("trainer: %s", " ".join(cmd))
-        self.trainer = subprocess.Popen(cmd, env=planning.ray_process_env(os.environ))
+        self.trainer = subprocess.Popen(cmd)
         rc = self.trainer.wait()  # a handled USR1 does not end the wait (PEP 475)
         self.trainer = None
         log.info("trainer exited with code %d; run directory: %s", rc, self.run_dir(chosen))
@@ -264,7 +263,7 @@ class Launcher:
                                   EXIT_BRINGUP)
             time.sleep(0.5)
 
-    def node_error(self, index: int) -> Optional[str]:
+    def node_error(self, index: int) -> str | None:
         path = Path(self.plan.job_dir, f"node.{index}.error")
         return path.read_text().strip() if path.exists() else None
 

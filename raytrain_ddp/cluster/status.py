@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input

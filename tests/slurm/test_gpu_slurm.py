@@ -8,9 +8,7 @@ probe, which refuses in one line.
 from __future__ import annotations
 
 import pytest
-
 from slurm_testbed import NODES, Testbed
-
 from test_start_ray_slurm import SMALL_RUN, assert_no_leftovers, show
 
 pytestmark = pytest.mark.slurm
