@@ -163,7 +163,7 @@ def node_ip(towards: str | None) -> str:
     if towards and route_source(towards) in mine:
         return route_source(towards)
     try:
-        resolved = sorted({info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)},
+        resolved = sorted({str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)},
                           key=lambda a: ":" in a)
     except OSError:
         resolved = []

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from raytrain_ddp.cluster import plan as planning
@@ -31,13 +32,13 @@ from raytrain_ddp.errors import ConfigError
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
 
 
-def head_address(env: dict, nodes: list[str]) -> str:
+def head_address(env: Mapping[str, str], nodes: list[str]) -> str:
     """RAYTRAIN_HEAD_ADDR, else this node's address; preferring the one that reaches the other nodes."""
     if env.get("RAYTRAIN_HEAD_ADDR"):
         return env["RAYTRAIN_HEAD_ADDR"]
     if not env.get("RAYTRAIN_NET_IFACE") and len(nodes) > 1:
         try:
-            peer = socket.getaddrinfo(nodes[1], None, socket.AF_INET)[0][4][0]
+            peer = str(socket.getaddrinfo(nodes[1], None, socket.AF_INET)[0][4][0])
         except (OSError, IndexError):
             peer = None
         if peer and not peer.startswith("127."):

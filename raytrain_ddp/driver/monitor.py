@@ -85,10 +85,10 @@ def find_stragglers(record: dict) -> list[dict]:
     if len(waits) < 2:
         return []
     median = statistics.median(waits)
-    stragglers = [{"rank": rank, "why": f"data wait {wait:.3g}s vs median {median:.3g}s over the epoch: "
-                                        "its input pipeline is the bottleneck"}
-                  for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)]
-    return stragglers + _slow_in_compute(record, {straggler["rank"] for straggler in stragglers})
+    slow_data_ranks = {rank for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)}
+    stragglers = [{"rank": rank, "why": f"data wait {waits[rank]:.3g}s vs median {median:.3g}s over the epoch: "
+                                        "its input pipeline is the bottleneck"} for rank in sorted(slow_data_ranks)]
+    return stragglers + _slow_in_compute(record, slow_data_ranks)
 
 
 def _slow_in_compute(record: dict, slow_in_data: set[int]) -> list[dict]:
