@@ -8,7 +8,7 @@ table on stdout (docs/gpu.md says where it goes):
 2. setup: Ray from bench/gpu_wheels/*.tar.xz (carried with the working tree,
    made by bench/gpu_wheels.sh) into /tmp/raytrain-site, when `import ray` fails;
 3. sync: synchronising calls per steady training step, counted with
-   torch.cuda.set_sync_debug_mode("warn") (the loop's own micro_step and
+   torch.cuda.set_sync_debug_mode("warn") (the loop's own micro_batch and
    optimizer_step, DDP on a one-rank NCCL group, batches already on the device);
 4. resnet: a one-GPU Ray run, ResNet-18 bf16 + channels-last;
 5. fsdp: the FSDP transformer bf16 run;
@@ -104,14 +104,14 @@ def count_step_syncs(steps: int = SYNC_STEPS) -> dict:
     batch = {"x": torch.randn(config.batch_size, *spec.input_shape, device=device),
              "y": torch.randint(spec.num_classes, (config.batch_size,), device=device)}
     for _ in range(3):  # warm-up: cudnn.benchmark's search and the allocator's first blocks synchronise
-        trainer.micro_step(batch, True)
+        trainer.micro_batch(batch, True)
         trainer.optimizer_step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(steps):
-            trainer.micro_step(batch, True)
+            trainer.micro_batch(batch, True)
             trainer.optimizer_step()
     torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -2,7 +2,7 @@
 
 One process, one single-rank gloo process group: each combination goes through
 the real model builder, `strategy.distribute` (DDP or FSDP2) and the loop's own
-`Trainer.micro_step` / `optimizer_step`, with gradient accumulation; no Ray.
+`Trainer.micro_batch` / `optimizer_step`, with gradient accumulation; no Ray.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _train(config: TrainConfig, optimizer_steps: int = 2) -> list[float]:
     losses = []
     for micro in range(1, optimizer_steps * config.grad_accum + 1):
         synchronise = micro % config.grad_accum == 0
-        losses.append(float(trainer.micro_step(_batch(spec, micro), synchronise)))
+        losses.append(float(trainer.micro_batch(_batch(spec, micro), synchronise)))
         if synchronise:
             assert trainer.optimizer_step()
     return losses
