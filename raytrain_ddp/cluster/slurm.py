@@ -76,6 +76,11 @@ class Launcher:
         else:
             log.info("got USR1 (time limit near) before the trainer started; nothing to forward")
 
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGUSR1, self.on_usr1)
+        signal.signal(signal.SIGTERM, Launcher.on_stop("TERM (scancel or time limit)", 143))
+        signal.signal(signal.SIGINT, Launcher.on_stop("INT", 130))
+
     @staticmethod
     def on_stop(what: str, code: int):
         def handler(signum, frame):
@@ -310,6 +315,9 @@ class Launcher:
                 time.sleep(1)
         finally:
             ray.shutdown()
+            # ray.init replaced SIGTERM's handler, and after shutdown a TERM (scancel) ended this process
+            # at once, with no cleanup: take the launcher's back.
+            self.install_signal_handlers()
 
     def missing_nodes(self, table: list[dict]) -> dict[str, str]:
         """{slurm node: description} of the nodes not (yet) in the Ray cluster."""
@@ -387,9 +395,7 @@ def _prefix_lines(stream, prefix: str) -> None:
 def main(argv: list[str]) -> int:
     setup_logging()
     launcher = Launcher(argv)
-    signal.signal(signal.SIGUSR1, launcher.on_usr1)
-    signal.signal(signal.SIGTERM, Launcher.on_stop("TERM (scancel or time limit)", 143))
-    signal.signal(signal.SIGINT, Launcher.on_stop("INT", 130))
+    launcher.install_signal_handlers()
     try:
         rc = launcher.run()
     except LaunchError as err:
