@@ -243,7 +243,7 @@ def test_the_bad_input_table_covers_every_flag():
              if option.startswith("--") and not option.startswith("--no-") and option != "--help"}
     tested = {arg.split("=")[0] for case in CASES + NUMERIC_CASES for arg in case[1] if arg.startswith("--")}
     booleans = {"--use-gpu", "--compile", "--channels-last", "--scale-lr", "--skip-nonfinite", "--record-sample-ids",
-                "--tensorboard", "--report", "--verbose"}  # one table row shows how any of them fails
+                "--tensorboard", "--report", "--verbose", "--tf32"}  # one table row shows how any of them fails
     assert flags - tested - set(TESTED_ELSEWHERE) - booleans == set()
     numeric = {f for f in flags if f[2:].replace("-", "_") in UPPER_LIMITS}
     assert numeric == {flag for flag in flags if any(c[0].startswith(flag[2:].replace("-", "_") + "-huge")
