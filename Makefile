@@ -1,12 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   installs into .venv and trains the built-in default (2 CPU workers)
 #   make test   installs into .venv and runs the whole test suite
-# make lint: ruff, mypy and shellcheck (CI runs it before the tests); make format-check: ruff format --check
+# make lint: ruff (lint and format check), mypy and shellcheck; CI runs it before the tests
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint format-check bench clean
+.PHONY: demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,11 +23,9 @@ SHELL_SCRIPTS := $(wildcard cluster/*.sh cluster/testbed/*.sh examples/*.sh)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/shellcheck --external-sources --severity=warning $(SHELL_SCRIPTS)
-
-format-check: $(VENV)/.installed
-	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache .mypy_cache

@@ -39,10 +39,10 @@ def steady_samples_per_s(events: list, world_size: int, first_epoch: int = 2) ->
     all-reduce keeps the ranks in step). Epoch boundaries (validation,
     checkpointing, reshuffling) are left out on both sides."""
     rows, seconds = 0, 0.0
-    for steps in split_epochs(events)[first_epoch - 1:]:
+    for steps in split_epochs(events)[first_epoch - 1 :]:
         if len(steps) <= WARMUP_STEPS + 1:
             continue
-        counted = steps[WARMUP_STEPS - 1:]
+        counted = steps[WARMUP_STEPS - 1 :]
         rows += sum(n for _, n in counted[1:])
         seconds += counted[-1][0] - counted[0][0]
     if seconds <= 0:

@@ -42,14 +42,22 @@ def environment() -> dict:
     """Versions of everything the GPU path depends on (CUDA-free where no GPU is there)."""
     import torch
 
-    found = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    found = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
     if torch.cuda.is_available():
         found["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         found["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:
-            found["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                             capture_output=True, text=True, timeout=30).stdout.split()[0]
+            found["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()[0]
         except (OSError, IndexError, subprocess.TimeoutExpired):
             found["driver"] = None
     return found
@@ -75,8 +83,9 @@ def ray_env(site: Path) -> dict:
     except ImportError:
         archives = sorted(WHEELS.glob("*.tar.xz"))
         if not archives:
-            raise SystemExit(f"error: Ray is not installed and {WHEELS} holds no .tar.xz parts "
-                             "(bench/gpu_wheels.sh makes them)") from None
+            raise SystemExit(
+                f"error: Ray is not installed and {WHEELS} holds no .tar.xz parts (bench/gpu_wheels.sh makes them)"
+            ) from None
         unpack_carried(archives, site)
         # ray.init() starts its own gcs_server and raylet binaries: no `ray` script is needed on PATH
         return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -101,8 +110,10 @@ def count_step_syncs(steps: int = SYNC_STEPS) -> dict:
     config = TrainConfig(model="resnet18", precision="bf16", channels_last=True, batch_size=64)
     spec = synthetic_spec(config)
     trainer = Trainer(config, spec, device, {}, world_size=1)
-    batch = {"x": torch.randn(config.batch_size, *spec.input_shape, device=device),
-             "y": torch.randint(spec.num_classes, (config.batch_size,), device=device)}
+    batch = {
+        "x": torch.randn(config.batch_size, *spec.input_shape, device=device),
+        "y": torch.randint(spec.num_classes, (config.batch_size,), device=device),
+    }
     for _ in range(3):  # warm-up: cudnn.benchmark's search and the allocator's first blocks synchronise
         trainer.micro_batch(batch, True)
         trainer.optimizer_step()
@@ -117,8 +128,7 @@ def count_step_syncs(steps: int = SYNC_STEPS) -> dict:
     torch.cuda.synchronize()
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
     dist.destroy_process_group()
-    return {"steps": steps, "synchronising_calls": len(syncs), "per_step": len(syncs) / steps,
-            "first": syncs[:3]}
+    return {"steps": steps, "synchronising_calls": len(syncs), "per_step": len(syncs) / steps, "first": syncs[:3]}
 
 
 class Check:
@@ -152,9 +162,25 @@ class Check:
 
     def train(self, name: str, share: float, *flags: str) -> None:
         run_dir = self.out / "runs" / name
-        self.run(name, [sys.executable, "-m", "raytrain_ddp.run", "--use-gpu", "--num-workers", "1",
-                        "--storage-path", str(self.out / "runs"), "--name", name, "--no-report", "--no-tensorboard",
-                        *flags], share)
+        self.run(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "raytrain_ddp.run",
+                "--use-gpu",
+                "--num-workers",
+                "1",
+                "--storage-path",
+                str(self.out / "runs"),
+                "--name",
+                name,
+                "--no-report",
+                "--no-tensorboard",
+                *flags,
+            ],
+            share,
+        )
         summary = run_dir / "summary.json"
         if summary.exists():
             found = json.loads(summary.read_text())
@@ -167,13 +193,24 @@ class Check:
             return
         scores = {}
         for device in ("cuda", "cpu"):
-            done = self.run(f"evaluate-{device}", [sys.executable, "-m", "raytrain_ddp.evaluate", best,
-                                                   "--device", device, "--json"], 0.2)
+            done = self.run(
+                f"evaluate-{device}",
+                [sys.executable, "-m", "raytrain_ddp.evaluate", best, "--device", device, "--json"],
+                0.2,
+            )
             if done is not None and done.returncode == 0:
                 scores[device] = json.loads(done.stdout.strip().splitlines()[-1])
-        self.results["evaluate"] = {"ok": len(scores) == 2, **{
-            device: {"val_accuracy": s["val_accuracy"], "val_loss": s["val_loss"],
-                     "recorded_val_accuracy": s["recorded"]["val_accuracy"]} for device, s in scores.items()}}
+        self.results["evaluate"] = {
+            "ok": len(scores) == 2,
+            **{
+                device: {
+                    "val_accuracy": s["val_accuracy"],
+                    "val_loss": s["val_loss"],
+                    "recorded_val_accuracy": s["recorded"]["val_accuracy"],
+                }
+                for device, s in scores.items()
+            },
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"), help="where results go")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=argparse.SUPPRESS)
     parser.add_argument("--count-syncs", action="store_true", help=argparse.SUPPRESS)  # step 3, in a child
-    parser.add_argument("--setup-only", action="store_true",
-                        help="unpack the carried Ray parts present into /tmp/raytrain-site and stop")
+    parser.add_argument(
+        "--setup-only",
+        action="store_true",
+        help="unpack the carried Ray parts present into /tmp/raytrain-site and stop",
+    )
     args = parser.parse_args(argv)
     if args.setup_only:
         print(json.dumps(ray_env(SITE)))
@@ -205,15 +245,58 @@ def main(argv: list[str] | None = None) -> int:
     done = check.run("sync", [sys.executable, "-m", "bench.gpu_check", "--count-syncs"], 0.15)
     if done is not None and done.returncode == 0:
         check.results["sync"].update(json.loads(done.stdout.strip().splitlines()[-1]))
-    check.train("resnet", 0.25, "--model", "resnet18", "--precision", "bf16", "--channels-last",
-                         "--epochs", "2", "--train-size", "8192", "--val-size", "1024", "--batch-size", "256")
-    check.train("fsdp", 0.3, "--model", "transformer", "--dataset", "synthetic-tokens", "--strategy", "fsdp",
-                "--precision", "bf16", "--optimizer", "adamw", "--lr", "0.003", "--epochs", "2",
-                "--train-size", "8192", "--val-size", "1024")
+    check.train(
+        "resnet",
+        0.25,
+        "--model",
+        "resnet18",
+        "--precision",
+        "bf16",
+        "--channels-last",
+        "--epochs",
+        "2",
+        "--train-size",
+        "8192",
+        "--val-size",
+        "1024",
+        "--batch-size",
+        "256",
+    )
+    check.train(
+        "fsdp",
+        0.3,
+        "--model",
+        "transformer",
+        "--dataset",
+        "synthetic-tokens",
+        "--strategy",
+        "fsdp",
+        "--precision",
+        "bf16",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.003",
+        "--epochs",
+        "2",
+        "--train-size",
+        "8192",
+        "--val-size",
+        "1024",
+    )
     check.evaluate()
     bench_json = out / "resnet50.json"
-    done = check.run("resnet50", [sys.executable, "bench/gpu_resnet50.py", "--json", str(bench_json),
-                                  "--deadline-s", str(max(check.left() - 20, 10))])
+    done = check.run(
+        "resnet50",
+        [
+            sys.executable,
+            "bench/gpu_resnet50.py",
+            "--json",
+            str(bench_json),
+            "--deadline-s",
+            str(max(check.left() - 20, 10)),
+        ],
+    )
     if bench_json.exists():
         check.results["resnet50"].update(json.loads(bench_json.read_text()))
     (out / "gpu_check.json").write_text(json.dumps(check.results, indent=2) + "\n")

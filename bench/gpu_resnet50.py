@@ -58,8 +58,14 @@ def plain(args) -> None:
     loss_fn = nn.CrossEntropyLoss()
     table = pq.ParquetDataset(list(plan.train_paths)).read(columns=["id", "image", "label"])
     dataset = ParquetImages(table, plan.spec, 0)
-    loader = DataLoader(dataset, sampler=BatchSampler(RandomSampler(dataset), args.batch_size, drop_last=False),
-                        batch_size=None, num_workers=args.loader_workers, pin_memory=True, persistent_workers=True)
+    loader = DataLoader(
+        dataset,
+        sampler=BatchSampler(RandomSampler(dataset), args.batch_size, drop_last=False),
+        batch_size=None,
+        num_workers=args.loader_workers,
+        pin_memory=True,
+        persistent_workers=True,
+    )
     rates = []
     for _ in range(args.epochs):
         model.train()
@@ -83,8 +89,9 @@ def _run(cmd: list[str], log: Path, ends: float) -> None:
     env.pop("RAY_ADDRESS", None)
     with open(log, "w") as out:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                timeout=max(ends - time.monotonic(), 1)).returncode
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=max(ends - time.monotonic(), 1)
+            ).returncode
         except subprocess.TimeoutExpired:
             sys.exit(f"{' '.join(cmd)} ran past the deadline; see the tail of {log}:\n" + log.read_text()[-3000:])
     if rc:
@@ -93,20 +100,58 @@ def _run(cmd: list[str], log: Path, ends: float) -> None:
 
 def ours(args, data: str, work: Path, ends: float) -> float:
     name = "ours"
-    cli = ["--num-workers", "1", "--use-gpu", "--model", "resnet50", "--precision", "bf16", "--channels-last",
-           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--data", data,
-           "--storage-path", str(work / "runs"), "--name", name, "--no-tensorboard", "--no-report"]
-    _run([sys.executable, "-m", "bench.ours_cli", "--probe-out", str(work / f"{name}.probe.json"), "--", *cli],
-         work / f"{name}.log", ends)
+    cli = [
+        "--num-workers",
+        "1",
+        "--use-gpu",
+        "--model",
+        "resnet50",
+        "--precision",
+        "bf16",
+        "--channels-last",
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--data",
+        data,
+        "--storage-path",
+        str(work / "runs"),
+        "--name",
+        name,
+        "--no-tensorboard",
+        "--no-report",
+    ]
+    _run(
+        [sys.executable, "-m", "bench.ours_cli", "--probe-out", str(work / f"{name}.probe.json"), "--", *cli],
+        work / f"{name}.log",
+        ends,
+    )
     epochs = [json.loads(line) for line in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     return sum(e["samples_per_second"] for e in epochs[1:]) / len(epochs[1:])
 
 
 def plain_subprocess(args, data: str, work: Path, ends: float) -> float:
     out = work / "plain.json"
-    _run([sys.executable, str(Path(__file__).resolve()), "--plain", "--data", data,
-          "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-          "--loader-workers", str(args.loader_workers), "--out", str(out)], out.with_suffix(".log"), ends)
+    _run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--plain",
+            "--data",
+            data,
+            "--epochs",
+            str(args.epochs),
+            "--batch-size",
+            str(args.batch_size),
+            "--loader-workers",
+            str(args.loader_workers),
+            "--out",
+            str(out),
+        ],
+        out.with_suffix(".log"),
+        ends,
+    )
     return json.loads(out.read_text())["images_per_s"]
 
 
@@ -129,9 +174,11 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("error: bench/gpu_resnet50.py needs a CUDA GPU and none is visible "
-              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use `python -m bench` on CPU",
-              file=sys.stderr)
+        print(
+            "error: bench/gpu_resnet50.py needs a CUDA GPU and none is visible "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use `python -m bench` on CPU",
+            file=sys.stderr,
+        )
         return 2
     if args.plain:
         plain(args)
@@ -142,21 +189,32 @@ def main() -> int:
     from raytrain_ddp.data import synthetic
     from raytrain_ddp.data.prepare import from_arrays
 
-    results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "image_px": 224,
-                     "precision": "bf16", "channels_last": True,
-                     "train_size": args.train_size, "batch_size": args.batch_size, "epochs": args.epochs}
+    results: dict = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "image_px": 224,
+        "precision": "bf16",
+        "channels_last": True,
+        "train_size": args.train_size,
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+    }
     with tempfile.TemporaryDirectory(prefix="raytrain-gpu-bench-") as tmp:
         work = Path(tmp)
         rows = synthetic.image_rows(np.arange(round(args.train_size / 0.9)), 0)
         images = rows["image"].repeat(7, axis=2).repeat(7, axis=3)  # 32 -> 224 px, uint8 NCHW
         parquet = str(work / "parquet")
-        from_arrays(images, rows["label"], [str(c) for c in range(10)], parquet, val_fraction=0.1,
-                    layout="NCHW", encoding="raw")
+        from_arrays(
+            images, rows["label"], [str(c) for c in range(10)], parquet, val_fraction=0.1, layout="NCHW", encoding="raw"
+        )
         results["ours"] = ours(args, parquet, work, ends)
         results["plain"] = plain_subprocess(args, parquet, work, ends)
         results["ratio"] = results["ours"] / results["plain"]
-        print(f"ResNet-50 bf16 channels-last 224 px: ours {results['ours']:,.0f} img/s, "
-              f"plain {results['plain']:,.0f}; ratio {results['ratio']:.3f}", flush=True)
+        print(
+            f"ResNet-50 bf16 channels-last 224 px: ours {results['ours']:,.0f} img/s, "
+            f"plain {results['plain']:,.0f}; ratio {results['ratio']:.3f}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -57,10 +57,16 @@ def probed(loop, probe_out: str):
             loop_module.EpochMeter, loop_module.Trainer.optimizer_step = epoch_meter, optimizer_step
             if ray.train.get_context().get_world_rank() == 0:
                 with open(probe_out, "w") as f:
-                    json.dump({"events": events, "world_size": ray.train.get_context().get_world_size(),
-                               "batch_size": loop_config["config"]["batch_size"],
-                               "torch_threads": torch.get_num_threads(),
-                               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}, f)
+                    json.dump(
+                        {
+                            "events": events,
+                            "world_size": ray.train.get_context().get_world_size(),
+                            "batch_size": loop_config["config"]["batch_size"],
+                            "torch_threads": torch.get_num_threads(),
+                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                        },
+                        f,
+                    )
 
     return probed_loop
 

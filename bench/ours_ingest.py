@@ -62,20 +62,26 @@ def main() -> None:
     args = parser.parse_args()
 
     # address="local": a Ray of its own even where `ray start` left a cluster (or its address file) behind
-    ray.init(address="local", num_cpus=CONSUMERS + args.data_cpus, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, object_store_memory=300 * 2**20,
-             runtime_env={"env_vars": {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}})
+    ray.init(
+        address="local",
+        num_cpus=CONSUMERS + args.data_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        object_store_memory=300 * 2**20,
+        runtime_env={"env_vars": {"RAY_DATA_DISABLE_PROGRESS_BARS": "1"}},
+    )
     try:
         ray.data.DataContext.get_current().enable_progress_bars = False
         config = TrainConfig(data=args.data, batch_size=args.batch_size, epochs=args.epochs)
         plan = plan_data(config)
         datasets = build_datasets(config, plan)
-        shards = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=CONSUMERS,
-                                                worker_handles=None, worker_node_ids=None)
+        shards = ShardingDataConfig().configure(
+            {"train": datasets["train"]}, world_size=CONSUMERS, worker_handles=None, worker_node_ids=None
+        )
         consumers = [Consumer.remote() for _ in range(CONSUMERS)]
         ray.get([c.warm_up.remote(shards[i]["train"], config) for i, c in enumerate(consumers)])
-        per_consumer = ray.get([c.run.remote(shards[i]["train"], config, args.epochs)
-                                for i, c in enumerate(consumers)])
+        per_consumer = ray.get([c.run.remote(shards[i]["train"], config, args.epochs) for i, c in enumerate(consumers)])
     finally:
         ray.shutdown()
     with open(args.out, "w") as f:

@@ -51,19 +51,27 @@ class ParquetImages(Dataset):
 def make_loader(args, rank: int, world: int):
     if args.data == "memory":
         rows = synthetic.image_rows(np.arange(args.train_size), args.seed)
-        spec = DataSpec("image", synthetic.IMAGE_SHAPE, synthetic.NUM_CLASSES, args.train_size, 0,
-                        mean=NORM_MEAN, std=NORM_STD)
+        spec = DataSpec(
+            "image", synthetic.IMAGE_SHAPE, synthetic.NUM_CLASSES, args.train_size, 0, mean=NORM_MEAN, std=NORM_STD
+        )
         inputs = to_model_inputs(rows, spec)
         dataset = TensorDataset(torch.from_numpy(inputs["x"]), torch.from_numpy(inputs["y"]))
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
         return sampler, DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=0)
     plan = plan_data(TrainConfig(data=args.data))
-    table = pq.ParquetDataset(list(plan.train_paths)).read(columns=["id", plan.spec.image_column, plan.spec.label_column])
+    table = pq.ParquetDataset(list(plan.train_paths)).read(
+        columns=["id", plan.spec.image_column, plan.spec.label_column]
+    )
     dataset = ParquetImages(table, plan.spec, args.seed)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
-    return sampler, DataLoader(dataset, sampler=batches, batch_size=None, num_workers=args.loader_workers,
-                               persistent_workers=args.loader_workers > 0)
+    return sampler, DataLoader(
+        dataset,
+        sampler=batches,
+        batch_size=None,
+        num_workers=args.loader_workers,
+        persistent_workers=args.loader_workers > 0,
+    )
 
 
 def main() -> None:
@@ -97,8 +105,15 @@ def main() -> None:
             optimizer.step()
             events.append(("s", time.time(), len(y)))
     if rank == 0:
-        write_json(args.out, {"events": events, "world_size": world, "torch_threads": torch.get_num_threads(),
-                              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")})
+        write_json(
+            args.out,
+            {
+                "events": events,
+                "world_size": world,
+                "torch_threads": torch.get_num_threads(),
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            },
+        )
     dist.destroy_process_group()
 
 

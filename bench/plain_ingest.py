@@ -39,11 +39,18 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     plan = plan_data(TrainConfig(data=args.data))
-    table = pq.ParquetDataset(list(plan.train_paths)).read(columns=["id", plan.spec.image_column, plan.spec.label_column])
+    table = pq.ParquetDataset(list(plan.train_paths)).read(
+        columns=["id", plan.spec.image_column, plan.spec.label_column]
+    )
     dataset = ParquetImages(table, plan.spec, args.seed)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(dataset, sampler=BatchSampler(sampler, args.batch_size, drop_last=False), batch_size=None,
-                        num_workers=args.loader_workers, persistent_workers=args.loader_workers > 0)
+    loader = DataLoader(
+        dataset,
+        sampler=BatchSampler(sampler, args.batch_size, drop_last=False),
+        batch_size=None,
+        num_workers=args.loader_workers,
+        persistent_workers=args.loader_workers > 0,
+    )
     dist.init_process_group("gloo")
     dist.barrier()
     passes, batches = [], []

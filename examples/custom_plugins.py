@@ -53,6 +53,7 @@ def _rows(batch: dict, seed: int) -> dict:
 
 def build_datasets(config) -> dict:
     """Any Ray Data pipeline works here: read_parquet, read_images, from_huggingface, ..."""
+
     def split(first_id: int, rows: int) -> ray.data.Dataset:
         ids = ray.data.range(rows, override_num_blocks=4).map_batches(lambda b: {"id": b["id"] + first_id})
         return ids.map_batches(_rows, fn_kwargs={"seed": config.seed}, batch_format="numpy")
@@ -67,6 +68,24 @@ def smoothed_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torc
 if __name__ == "__main__":
     from raytrain_ddp.run import main
 
-    sys.exit(main(["--model", "custom_plugins:build_model", "--dataset", "custom_plugins:build_datasets",
-                   "--loss", "custom_plugins:smoothed_cross_entropy", "--lr", "0.05",
-                   "--epochs", "3", "--train-size", "4096", "--val-size", "1024", *sys.argv[1:]]))
+    sys.exit(
+        main(
+            [
+                "--model",
+                "custom_plugins:build_model",
+                "--dataset",
+                "custom_plugins:build_datasets",
+                "--loss",
+                "custom_plugins:smoothed_cross_entropy",
+                "--lr",
+                "0.05",
+                "--epochs",
+                "3",
+                "--train-size",
+                "4096",
+                "--val-size",
+                "1024",
+                *sys.argv[1:],
+            ]
+        )
+    )

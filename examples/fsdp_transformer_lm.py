@@ -18,10 +18,10 @@ from raytrain_ddp import TrainConfig, fit
 
 config = TrainConfig(
     num_workers=2,
-    model="transformer",          # 4 blocks, width 128: FSDP shards each block, then the root
-    dataset="synthetic-tokens",   # sequences with a per-sequence stride: learnable from context
+    model="transformer",  # 4 blocks, width 128: FSDP shards each block, then the root
+    dataset="synthetic-tokens",  # sequences with a per-sequence stride: learnable from context
     strategy="fsdp",
-    precision="bf16",             # autocast; fp16 adds a gradient scaler
+    precision="bf16",  # autocast; fp16 adds a gradient scaler
     optimizer="adamw",
     lr=0.003,
     lr_schedule="cosine",
@@ -39,6 +39,8 @@ result = fit(config)
 print("status:", result.summary["status"])
 print(f"uniform guess: loss {math.log(64):.2f}")
 for epoch in result.epochs:
-    print(f"epoch {epoch['epoch']}: train loss {epoch['train_loss']:.3f}, val loss {epoch['val_loss']:.3f}, "
-          f"next-token accuracy {epoch['val_accuracy']:.3f}, lr {epoch['lr']:.5f}")
+    print(
+        f"epoch {epoch['epoch']}: train loss {epoch['train_loss']:.3f}, val loss {epoch['val_loss']:.3f}, "
+        f"next-token accuracy {epoch['val_accuracy']:.3f}, lr {epoch['lr']:.5f}"
+    )
 print("checkpoint (a plain state dict):", result.best_checkpoint)

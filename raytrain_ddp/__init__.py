@@ -1,7 +1,7 @@
 """raytrain-ddp: one-command data-parallel PyTorch training on Ray and Slurm.
 
-    from raytrain_ddp import TrainConfig, fit
-    result = fit(TrainConfig(num_workers=2, epochs=3))
+from raytrain_ddp import TrainConfig, fit
+result = fit(TrainConfig(num_workers=2, epochs=3))
 """
 
 from raytrain_ddp.config import TrainConfig

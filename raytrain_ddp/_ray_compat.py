@@ -39,9 +39,11 @@ def check_ray_version(version: str | None = None) -> str | None:
     version = version or ray.__version__
     if _minor(TESTED_RAY[0]) <= _minor(version) < _minor(TESTED_RAY[1]):
         return None
-    message = (f"Ray {version} is installed, but raytrain-ddp is tested with Ray >={TESTED_RAY[0]},<{TESTED_RAY[1]}: "
-               f"it uses Ray internals that change between releases (raytrain_ddp/_ray_compat.py); "
-               f"if anything fails, install ray[default,train]>={TESTED_RAY[0]},<{TESTED_RAY[1]}")
+    message = (
+        f"Ray {version} is installed, but raytrain-ddp is tested with Ray >={TESTED_RAY[0]},<{TESTED_RAY[1]}: "
+        f"it uses Ray internals that change between releases (raytrain_ddp/_ray_compat.py); "
+        f"if anything fails, install ray[default,train]>={TESTED_RAY[0]},<{TESTED_RAY[1]}"
+    )
     log.warning(message)
     return message
 
@@ -100,29 +102,41 @@ def new_snapshot(checkpoint_dir_name: str, metrics: dict) -> dict:
     """A snapshot whose one checkpoint, `checkpoint_dir_name` in the run directory, is the latest."""
     result = {"checkpoint_dir_name": checkpoint_dir_name, "metrics": metrics}
     return {
-        "checkpoint_results": [result], "checkpoint_report_indices": [0], "latest_checkpoint_result": result,
-        "pending_training_results": [], "pending_validation_specs": [], "current_report_index": 1,
-        "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
+        "checkpoint_results": [result],
+        "checkpoint_report_indices": [0],
+        "latest_checkpoint_result": result,
+        "pending_training_results": [],
+        "pending_validation_specs": [],
+        "current_report_index": 1,
+        "validated_checkpoint_dir_names": [],
+        "timed_out_validation_checkpoint_dir_names": [],
         "failed_validation_checkpoint_dir_names": [],
     }
 
 
 def checkpoints_newest_first(state: dict) -> list[str]:
     """The directory names of the snapshot's checkpoints, the latest reported first."""
-    pairs = sorted(zip(state["checkpoint_report_indices"], state["checkpoint_results"]),
-                   key=lambda pair: pair[0], reverse=True)
+    pairs = sorted(
+        zip(state["checkpoint_report_indices"], state["checkpoint_results"]), key=lambda pair: pair[0], reverse=True
+    )
     return [result["checkpoint_dir_name"] for _, result in pairs]
 
 
 def drop_checkpoints(state: dict, names: list[str]) -> bool:
     """Remove the checkpoints `names` from the snapshot (the newest left becomes the latest); say if any is left."""
-    kept = [(index, result) for index, result in zip(state["checkpoint_report_indices"], state["checkpoint_results"])
-            if result["checkpoint_dir_name"] not in names]
+    kept = [
+        (index, result)
+        for index, result in zip(state["checkpoint_report_indices"], state["checkpoint_results"])
+        if result["checkpoint_dir_name"] not in names
+    ]
     state["checkpoint_report_indices"] = [index for index, _ in kept]
     state["checkpoint_results"] = [result for _, result in kept]
     state["latest_checkpoint_result"] = max(kept, key=lambda pair: pair[0])[1] if kept else None
-    pending = [(result, spec) for result, spec in zip(state["pending_training_results"], state["pending_validation_specs"])
-               if result["checkpoint_dir_name"] not in names]
+    pending = [
+        (result, spec)
+        for result, spec in zip(state["pending_training_results"], state["pending_validation_specs"])
+        if result["checkpoint_dir_name"] not in names
+    ]
     state["pending_training_results"] = [result for result, _ in pending]
     state["pending_validation_specs"] = [spec for _, spec in pending]
     return bool(kept)
@@ -137,8 +151,11 @@ def drop_unsaved_metrics(state: dict) -> bool:
     checkpoint ranking fail (float * None) at the first report of the resumed
     run; a missing score ranks lowest instead.
     """
-    results = state["checkpoint_results"] + state["pending_training_results"] + \
-        ([state["latest_checkpoint_result"]] if state["latest_checkpoint_result"] else [])
+    results = (
+        state["checkpoint_results"]
+        + state["pending_training_results"]
+        + ([state["latest_checkpoint_result"]] if state["latest_checkpoint_result"] else [])
+    )
     dropped = False
     for result in results:
         for key in [key for key, value in result["metrics"].items() if value is None]:

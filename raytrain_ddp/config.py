@@ -39,42 +39,99 @@ class TrainConfig:
     # Cluster and workers
     num_workers: int = field(default=2, metadata=_flag("training workers (one per GPU with --use-gpu)"))
     use_gpu: bool = field(default=False, metadata=_flag("one GPU per worker, NCCL; CPU and gloo otherwise"))
-    min_workers: int | None = field(default=None, metadata=_flag(
-        "elastic: start and keep training with as few as this many workers when workers or nodes are lost "
-        "(Ray Train's num_workers=(min, max)); the global batch shrinks with them"))
+    min_workers: int | None = field(
+        default=None,
+        metadata=_flag(
+            "elastic: start and keep training with as few as this many workers when workers or nodes are lost "
+            "(Ray Train's num_workers=(min, max)); the global batch shrinks with them"
+        ),
+    )
     cpus_per_worker: float = field(default=1.0, metadata=_flag("CPUs reserved for each training worker"))
     address: str | None = field(
         default=None,
         metadata=_flag("Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray)"),
     )
     # Model and data
-    model: str = field(default="cnn", metadata=_flag(
-        f"model: {', '.join(BUILTIN_MODELS)}, or an import path pkg.module:build (a callable taking the config, returning an nn.Module)"))
-    dataset: str = field(default="synthetic", metadata=_flag(
-        f"dataset when --data is not given: {', '.join(BUILTIN_DATASETS)}, or an import path pkg.module:build "
-        "(a callable taking the config, returning {'train': ray.data.Dataset, 'val': ...} with columns x, y)"))
-    loss: str | None = field(default=None, metadata=_flag(
-        "loss as an import path pkg.module:fn, called as fn(outputs, targets) (default: cross-entropy over the last dimension)"))
-    data: str | None = field(default=None, metadata=_flag("Parquet dataset directory with train/ and val/ (see `python -m raytrain_ddp.data`)"))
-    train_data: str | None = field(default=None, metadata=_flag("Parquet files or glob for training (instead of --data)"))
-    val_data: str | None = field(default=None, metadata=_flag("Parquet files or glob for validation (instead of --data)"))
+    model: str = field(
+        default="cnn",
+        metadata=_flag(
+            f"model: {', '.join(BUILTIN_MODELS)}, or an import path pkg.module:build "
+            "(a callable taking the config, returning an nn.Module)"
+        ),
+    )
+    dataset: str = field(
+        default="synthetic",
+        metadata=_flag(
+            f"dataset when --data is not given: {', '.join(BUILTIN_DATASETS)}, or an import path pkg.module:build "
+            "(a callable taking the config, returning {'train': ray.data.Dataset, 'val': ...} with columns x, y)"
+        ),
+    )
+    loss: str | None = field(
+        default=None,
+        metadata=_flag(
+            "loss as an import path pkg.module:fn, called as fn(outputs, targets) "
+            "(default: cross-entropy over the last dimension)"
+        ),
+    )
+    data: str | None = field(
+        default=None,
+        metadata=_flag("Parquet dataset directory with train/ and val/ (see `python -m raytrain_ddp.data`)"),
+    )
+    train_data: str | None = field(
+        default=None, metadata=_flag("Parquet files or glob for training (instead of --data)")
+    )
+    val_data: str | None = field(
+        default=None, metadata=_flag("Parquet files or glob for validation (instead of --data)")
+    )
     image_column: str = field(default="image", metadata=_flag("column holding encoded images"))
     label_column: str = field(default="label", metadata=_flag("column holding integer class labels"))
-    feature_columns: str | None = field(default=None, metadata=_flag("comma-separated numeric columns for tabular data"))
+    feature_columns: str | None = field(
+        default=None, metadata=_flag("comma-separated numeric columns for tabular data")
+    )
     train_size: int = field(default=8192, metadata=_flag("rows of the built-in training set"))
     val_size: int = field(default=2048, metadata=_flag("rows of the built-in validation set"))
     # Optimisation
     epochs: int = field(default=5, metadata=_flag("passes over the training set"))
-    batch_size: int = field(default=64, metadata=_flag("per-worker batch; the global batch is this x --grad-accum x --num-workers"))
-    grad_accum: int = field(default=1, metadata=_flag("micro-batches per optimizer step; gradients are all-reduced once per step"))
-    strategy: str = field(default="ddp", metadata=_flag("ddp: a full replica per worker; fsdp: parameters, gradients and optimizer state sharded across workers", choices=STRATEGIES))
-    precision: str = field(default="fp32", metadata=_flag("autocast precision (fp16 adds a gradient scaler)", choices=PRECISIONS))
+    batch_size: int = field(
+        default=64, metadata=_flag("per-worker batch; the global batch is this x --grad-accum x --num-workers")
+    )
+    grad_accum: int = field(
+        default=1, metadata=_flag("micro-batches per optimizer step; gradients are all-reduced once per step")
+    )
+    strategy: str = field(
+        default="ddp",
+        metadata=_flag(
+            "ddp: a full replica per worker; fsdp: parameters, gradients and optimizer state sharded across workers",
+            choices=STRATEGIES,
+        ),
+    )
+    precision: str = field(
+        default="fp32", metadata=_flag("autocast precision (fp16 adds a gradient scaler)", choices=PRECISIONS)
+    )
     compile: bool = field(default=False, metadata=_flag("torch.compile the model"))
-    channels_last: bool = field(default=False, metadata=_flag("channels_last memory format for image models (faster convolutions on GPU); refused for tabular and token data"))
-    tf32: bool = field(default=True, metadata=_flag("TF32 tensor cores for fp32 matmuls and convolutions on GPU (--no-tf32: full fp32)"))
+    channels_last: bool = field(
+        default=False,
+        metadata=_flag(
+            "channels_last memory format for image models (faster convolutions on GPU); "
+            "refused for tabular and token data"
+        ),
+    )
+    tf32: bool = field(
+        default=True,
+        metadata=_flag("TF32 tensor cores for fp32 matmuls and convolutions on GPU (--no-tf32: full fp32)"),
+    )
     lr: float = field(default=0.02, metadata=_flag("learning rate (for the global batch, unless --scale-lr)"))
-    scale_lr: bool = field(default=False, metadata=_flag("linear scaling: multiply --lr by the workers x --grad-accum (lr given for one worker's batch)"))
-    lr_schedule: str = field(default="constant", metadata=_flag("learning rate after warm-up: constant, cosine to 0, or step (x0.1 at 50%% and 75%% of training)", choices=LR_SCHEDULES))
+    scale_lr: bool = field(
+        default=False,
+        metadata=_flag("linear scaling: multiply --lr by the workers x --grad-accum (lr given for one worker's batch)"),
+    )
+    lr_schedule: str = field(
+        default="constant",
+        metadata=_flag(
+            "learning rate after warm-up: constant, cosine to 0, or step (x0.1 at 50%% and 75%% of training)",
+            choices=LR_SCHEDULES,
+        ),
+    )
     warmup_epochs: float = field(default=0.0, metadata=_flag("epochs of linear learning-rate warm-up from 0"))
     clip_grad_norm: float | None = field(default=None, metadata=_flag("clip the global gradient norm to this value"))
     optimizer: str = field(default="sgd", metadata=_flag("optimizer", choices=OPTIMIZERS))
@@ -83,20 +140,46 @@ class TrainConfig:
     seed: int = field(default=0, metadata=_flag("seed for data generation, shuffling and model init"))
     # Run directory and checkpoints
     storage_path: str = field(default="runs", metadata=_flag("where run directories go (shared storage on a cluster)"))
-    name: str | None = field(default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)"))
+    name: str | None = field(
+        default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)")
+    )
     num_to_keep: int = field(default=2, metadata=_flag("best checkpoints to keep, by validation accuracy"))
-    resume_from: str | None = field(default=None, metadata=_flag("start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): its weights, optimizer state and epoch; --epochs is the total"))
+    resume_from: str | None = field(
+        default=None,
+        metadata=_flag(
+            "start a new run from this checkpoint (a checkpoint directory or its checkpoint.pt): "
+            "its weights, optimizer state and epoch; --epochs is the total"
+        ),
+    )
     # Robustness
     max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
-    capacity_wait_s: int = field(default=300, metadata=_flag(
-        "after a node or worker is lost, seconds to wait for capacity for the workers (--min-workers with elastic) "
-        "to come back before the run fails, naming what was lost"))
-    skip_nonfinite: bool = field(default=False, metadata=_flag("skip optimizer steps whose gradients are NaN/inf (all ranks agree) instead of stopping"))
+    capacity_wait_s: int = field(
+        default=300,
+        metadata=_flag(
+            "after a node or worker is lost, seconds to wait for capacity for the workers (--min-workers with elastic) "
+            "to come back before the run fails, naming what was lost"
+        ),
+    )
+    skip_nonfinite: bool = field(
+        default=False,
+        metadata=_flag("skip optimizer steps whose gradients are NaN/inf (all ranks agree) instead of stopping"),
+    )
     collective_timeout_s: int = field(default=600, metadata=_flag("seconds a DDP collective may wait before it fails"))
-    hang_timeout_s: int = field(default=300, metadata=_flag("seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"))
-    record_sample_ids: bool = field(default=False, metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"))
+    hang_timeout_s: int = field(
+        default=300,
+        metadata=_flag(
+            "seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"
+        ),
+    )
+    record_sample_ids: bool = field(
+        default=False,
+        metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"),
+    )
     tensorboard: bool = field(default=True, metadata=_flag("write TensorBoard event files to RUN_DIR/tensorboard/"))
-    mlflow_uri: str | None = field(default=None, metadata=_flag("also log to MLflow: a tracking server URL or file:///path/mlruns (needs the mlflow extra)"))
+    mlflow_uri: str | None = field(
+        default=None,
+        metadata=_flag("also log to MLflow: a tracking server URL or file:///path/mlruns (needs the mlflow extra)"),
+    )
     report: bool = field(default=True, metadata=_flag("write the HTML report with plots to RUN_DIR/report/ at the end"))
     # Console
     verbose: bool = field(default=False, metadata=_flag("show Ray's own logs and worker logs on the console"))
@@ -151,8 +234,9 @@ class TrainConfig:
         _at_least("--hang-timeout-s", self.hang_timeout_s, 1)
         _at_least("--capacity-wait-s", self.capacity_wait_s, 1)
         if self.min_workers is not None and not 1 <= self.min_workers <= self.num_workers:
-            raise ConfigError(f"--min-workers must be between 1 and --num-workers ({self.num_workers}), "
-                              f"got {self.min_workers}")
+            raise ConfigError(
+                f"--min-workers must be between 1 and --num-workers ({self.num_workers}), got {self.min_workers}"
+            )
         if not self.cpus_per_worker > 0:
             raise ConfigError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
         if not self.lr > 0:
@@ -170,8 +254,10 @@ class TrainConfig:
             ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
         ):
             if value not in allowed and not (flag_name in ("--model", "--dataset") and is_import_path(value)):
-                raise ConfigError(f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}"
-                                  + (" or an import path pkg.module:name" if flag_name in ("--model", "--dataset") else ""))
+                raise ConfigError(
+                    f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}"
+                    + (" or an import path pkg.module:name" if flag_name in ("--model", "--dataset") else "")
+                )
         if self.loss is not None and not is_import_path(self.loss):
             raise ConfigError(f"--loss {self.loss!r} is not an import path like pkg.module:fn")
         if self.data and (self.train_data or self.val_data):
@@ -183,8 +269,10 @@ class TrainConfig:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
             raise ConfigError(f"--name {self.name!r} may hold only letters, digits, '.', '_' and '-'")
         if len(self.name) > MAX_NAME_LENGTH:
-            raise ConfigError(f"--name is {len(self.name)} characters long; at most {MAX_NAME_LENGTH} fit a file name "
-                              "beside what Ray Train appends")
+            raise ConfigError(
+                f"--name is {len(self.name)} characters long; at most {MAX_NAME_LENGTH} fit a file name "
+                "beside what Ray Train appends"
+            )
         self.storage_path = _check_storage_path(self.storage_path)
         return self
 
@@ -193,10 +281,25 @@ class TrainConfig:
 # A run name becomes directory and file names (NAME_MAX is 255 bytes; Ray Train adds its own suffixes).
 MAX_NAME_LENGTH = 200
 UPPER_LIMITS = {
-    "num_workers": 100_000, "min_workers": 100_000, "cpus_per_worker": 1024, "train_size": 10**9, "val_size": 10**9,
-    "epochs": 1_000_000, "batch_size": 2**24, "grad_accum": 100_000, "lr": 1e12, "warmup_epochs": 1_000_000,
-    "clip_grad_norm": 1e9, "momentum": 1.0, "weight_decay": 10.0, "seed": 2**32 - 1, "num_to_keep": 100_000,
-    "max_failures": 1000, "capacity_wait_s": 7 * 86400, "collective_timeout_s": 7 * 86400, "hang_timeout_s": 7 * 86400,
+    "num_workers": 100_000,
+    "min_workers": 100_000,
+    "cpus_per_worker": 1024,
+    "train_size": 10**9,
+    "val_size": 10**9,
+    "epochs": 1_000_000,
+    "batch_size": 2**24,
+    "grad_accum": 100_000,
+    "lr": 1e12,
+    "warmup_epochs": 1_000_000,
+    "clip_grad_norm": 1e9,
+    "momentum": 1.0,
+    "weight_decay": 10.0,
+    "seed": 2**32 - 1,
+    "num_to_keep": 100_000,
+    "max_failures": 1000,
+    "capacity_wait_s": 7 * 86400,
+    "collective_timeout_s": 7 * 86400,
+    "hang_timeout_s": 7 * 86400,
 }
 
 

@@ -57,16 +57,19 @@ def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = N
     model.to(target, memory_format=memory_format)
     rows = to_model_inputs(read_split_rows(config, "val"), spec)
     x, y = torch.from_numpy(rows["x"]), torch.from_numpy(rows["y"])
-    batches = ({"x": x[start:start + batch_size].to(target), "y": y[start:start + batch_size].to(target)}
-               for start in range(0, len(y), batch_size))
+    batches = (
+        {"x": x[start : start + batch_size].to(target), "y": y[start : start + batch_size].to(target)}
+        for start in range(0, len(y), batch_size)
+    )
     with strategy.autocast(config, target):
         scored = evaluate(model, batches, make_loss_fn(config), target)
     return {"epoch": state["epoch"], **scored, "device": str(target), "recorded": state["metrics"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+    parser = OneLineErrorParser(
+        prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument("checkpoint", help="checkpoint.pt or the checkpoint directory holding it")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where to evaluate (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -79,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         recorded = result["recorded"]
-        print(f"epoch {result['epoch']}: val_accuracy {result['val_accuracy']:.4f} "
-              f"(recorded {recorded['val_accuracy']:.4f}), val_loss {result['val_loss']:.4f} "
-              f"(recorded {recorded['val_loss']:.4f}) over {result['val_rows']} rows on {result['device']}")
+        print(
+            f"epoch {result['epoch']}: val_accuracy {result['val_accuracy']:.4f} "
+            f"(recorded {recorded['val_accuracy']:.4f}), val_loss {result['val_loss']:.4f} "
+            f"(recorded {recorded['val_loss']:.4f}) over {result['val_rows']} rows on {result['device']}"
+        )
     return 0
 
 

@@ -25,8 +25,14 @@ class SmallCNN(nn.Module):
     def __init__(self, in_channels: int, num_classes: int):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
             nn.AdaptiveAvgPool2d(4),
         )
         self.head = nn.Linear(64 * 4 * 4, num_classes)
@@ -41,8 +47,10 @@ class MLP(nn.Module):
     def __init__(self, in_features: int, num_classes: int, hidden: int = 128):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(in_features, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(in_features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )
 
@@ -104,15 +112,17 @@ def check_model_fits_data(name: str, data_kind: str) -> None:
     wants = MODEL_KINDS.get(name, "image")
     if wants != data_kind:
         fitting = [m for m in ("cnn", "resnet18", "mlp", "transformer") if MODEL_KINDS.get(m, "image") == data_kind]
-        raise ConfigError(f"--model {name} takes {wants} data, but the data holds {data_kind}; "
-                          f"use --model {' or '.join(fitting)}")
+        raise ConfigError(
+            f"--model {name} takes {wants} data, but the data holds {data_kind}; use --model {' or '.join(fitting)}"
+        )
 
 
 def build_model(config: TrainConfig, spec: DataSpec, model_fn: Callable | None = None) -> nn.Module:
     """The model `config.model` names (or `model_fn` builds) for the data `spec` describes."""
     if config.channels_last and spec.kind in ("tabular", "tokens"):
-        raise ConfigError(f"--channels-last is for 4-D image inputs, but the data holds {spec.kind}; "
-                          "drop --channels-last")
+        raise ConfigError(
+            f"--channels-last is for 4-D image inputs, but the data holds {spec.kind}; drop --channels-last"
+        )
     if model_fn is not None or is_import_path(config.model):
         label = repr(config.model) if model_fn is None else describe(model_fn)
         model = call_plugin(model_fn or load_object(config.model, "--model"), "--model", label, config)

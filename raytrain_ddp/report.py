@@ -59,8 +59,9 @@ class Run:
     def world_size(self) -> int:
         if self.summary.get("world_size"):
             return int(self.summary["world_size"])
-        lengths = [len(v) for rec in self.epochs for k, v in rec.items()
-                   if k.endswith("_per_rank") and isinstance(v, list)]
+        lengths = [
+            len(v) for rec in self.epochs for k, v in rec.items() if k.endswith("_per_rank") and isinstance(v, list)
+        ]
         return max(lengths, default=0)
 
 
@@ -86,8 +87,16 @@ def load_run(run_dir: Path | str) -> Run:
         raise ReportError(f"{run_dir} has no metrics.jsonl (nor summary.json): not a run directory")
     notes: list[str] = []
 
-    summary = _read_optional(summary_path, json.loads, notes, "showing metrics only",
-                             "the run is still going, or its driver stopped before writing one") or {}
+    summary = (
+        _read_optional(
+            summary_path,
+            json.loads,
+            notes,
+            "showing metrics only",
+            "the run is still going, or its driver stopped before writing one",
+        )
+        or {}
+    )
 
     by_epoch: dict[Any, dict] = {}
     if metrics_path.exists():
@@ -103,8 +112,9 @@ def load_run(run_dir: Path | str) -> Run:
                 by_epoch[record["epoch"]] = record  # an epoch repeated after a restart: the last one counts
     epochs = [by_epoch[e] for e in sorted(by_epoch, key=lambda e: (not isinstance(e, (int, float)), e))]
 
-    config = _read_optional(run_dir / "config.toml", tomllib.loads, notes, "no configuration shown",
-                            "no configuration shown")
+    config = _read_optional(
+        run_dir / "config.toml", tomllib.loads, notes, "no configuration shown", "no configuration shown"
+    )
     for note in notes:
         log.warning("%s: %s", run_dir, note)
     return Run(run_dir, summary, epochs, config, notes)
@@ -151,13 +161,24 @@ class RankField:
 RANK_FIELDS = [
     RankField("samples_per_rank", "samples", ",.0f"),
     RankField("steps_per_rank", "steps", ",.0f"),
-    RankField("throughput_per_rank", "samples/s", ",.0f", "Throughput per rank (samples / epoch seconds)",
-              "samples/s", derive=_throughput),
+    RankField(
+        "throughput_per_rank",
+        "samples/s",
+        ",.0f",
+        "Throughput per rank (samples / epoch seconds)",
+        "samples/s",
+        derive=_throughput,
+    ),
     RankField("train_loss_per_rank", "train loss", ".4f"),
     RankField("val_loss_per_rank", "val loss", ".4f"),
     RankField("val_accuracy_per_rank", "val acc", ".4f"),
-    RankField("data_wait_seconds_per_rank", "data wait (s)", ".2f", "Data wait per rank (time blocked on input)",
-              "seconds per epoch"),
+    RankField(
+        "data_wait_seconds_per_rank",
+        "data wait (s)",
+        ".2f",
+        "Data wait per rank (time blocked on input)",
+        "seconds per epoch",
+    ),
     RankField("step_seconds_per_rank", "step time (s)", ".4f", "Step time per rank", "seconds"),
     RankField("gpu_memory_peak_gib_per_rank", "GPU mem peak (GiB)", ".2f", "Peak GPU memory per rank", "GiB"),
 ]
@@ -168,8 +189,12 @@ def _unknown_rank_fields(record: dict) -> list[RankField]:
     """*_per_rank number lists this report has no entry for: shown in the worker table as they are."""
     extra = []
     for key, value in record.items():
-        if key.endswith("_per_rank") and key not in KNOWN_RANK_KEYS and isinstance(value, list) \
-                and any(_num(v) is not None for v in value):
+        if (
+            key.endswith("_per_rank")
+            and key not in KNOWN_RANK_KEYS
+            and isinstance(value, list)
+            and any(_num(v) is not None for v in value)
+        ):
             extra.append(RankField(key, key.removesuffix("_per_rank").replace("_", " "), ".4g"))
     return extra
 
@@ -177,8 +202,20 @@ def _unknown_rank_fields(record: dict) -> list[RankField]:
 # ---------------------------------------------------------------------------------------------
 # Plots (matplotlib's object API on an Agg canvas: no pyplot, no global backend switch)
 
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-          "#bcbd22", "#17becf", "#393b79", "#637939"]
+COLORS = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#393b79",
+    "#637939",
+]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*"]
 
 
@@ -216,8 +253,14 @@ def _plot_loss(epochs: list[dict]):
     band = [(r["epoch"], _num(r.get("train_loss_min")), _num(r.get("train_loss_max"))) for r in epochs]
     band = [b for b in band if b[1] is not None and b[2] is not None and _num(b[0]) is not None]
     if band:
-        ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], color=COLORS[0],
-                        alpha=0.2, label="train min..max over ranks")
+        ax.fill_between(
+            [b[0] for b in band],
+            [b[1] for b in band],
+            [b[2] for b in band],
+            color=COLORS[0],
+            alpha=0.2,
+            label="train min..max over ranks",
+        )
     if xs:
         ax.plot(xs, mean, "o-", color=COLORS[0], label="train (mean over ranks)")
     if vxs:
@@ -249,15 +292,28 @@ def _plot_per_rank(epochs: list[dict], field: RankField):
     if ranks <= MANY_RANKS:
         for r in range(ranks):  # shrinking, varied markers: ranks with equal values stay visible
             pts = [(e, v[r]) for e, v in rows if r < len(v) and v[r] is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=COLORS[r % len(COLORS)], label=f"rank {r}",
-                    marker=MARKERS[r % len(MARKERS)], markersize=max(8 - r * 0.5, 3), linewidth=max(2.2 - r * 0.15, 1),
-                    alpha=0.85)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color=COLORS[r % len(COLORS)],
+                label=f"rank {r}",
+                marker=MARKERS[r % len(MARKERS)],
+                markersize=max(8 - r * 0.5, 3),
+                linewidth=max(2.2 - r * 0.15, 1),
+                alpha=0.85,
+            )
         ax.legend(fontsize=8, ncol=min(ranks, 4))
     else:  # one line per rank would be unreadable: the spread instead
         stats = [(e, [x for x in v if x is not None]) for e, v in rows]
         xs = [e for e, _ in stats]
-        ax.fill_between(xs, [min(s) for _, s in stats], [max(s) for _, s in stats], alpha=0.2, color=COLORS[0],
-                        label=f"min..max over {ranks} ranks")
+        ax.fill_between(
+            xs,
+            [min(s) for _, s in stats],
+            [max(s) for _, s in stats],
+            alpha=0.2,
+            color=COLORS[0],
+            label=f"min..max over {ranks} ranks",
+        )
         ax.plot(xs, [statistics.median(s) for _, s in stats], "o-", color=COLORS[0], label="median rank")
         ax.legend(fontsize=8)
     top = ax.get_ylim()[1]
@@ -275,14 +331,22 @@ class Plot:
 def make_plots(epochs: list[dict]) -> list[Plot]:
     """Every plot the records have data for, as PNG bytes."""
     makers: list[tuple[str, str, Callable]] = [
-        ("loss.png", "Loss per epoch: train mean with min..max band over ranks, and validation loss",
-         lambda: _plot_loss(epochs)),
+        (
+            "loss.png",
+            "Loss per epoch: train mean with min..max band over ranks, and validation loss",
+            lambda: _plot_loss(epochs),
+        ),
         ("val_accuracy.png", "Validation accuracy per epoch", lambda: _plot_accuracy(epochs)),
     ]
     for field in RANK_FIELDS:
         if field.plot:
-            makers.append((f"{field.key.removesuffix('_per_rank')}_per_rank.png", field.plot,
-                           lambda field=field: _plot_per_rank(epochs, field)))
+            makers.append(
+                (
+                    f"{field.key.removesuffix('_per_rank')}_per_rank.png",
+                    field.plot,
+                    lambda field=field: _plot_per_rank(epochs, field),
+                )
+            )
     plots = []
     for file, alt, make in makers:
         fig = make()
@@ -297,8 +361,9 @@ def make_plots(epochs: list[dict]) -> list[Plot]:
     return plots
 
 
-ALL_PLOT_FILES = {"loss.png", "val_accuracy.png"} | {f"{f.key.removesuffix('_per_rank')}_per_rank.png"
-                                                      for f in RANK_FIELDS if f.plot}
+ALL_PLOT_FILES = {"loss.png", "val_accuracy.png"} | {
+    f"{f.key.removesuffix('_per_rank')}_per_rank.png" for f in RANK_FIELDS if f.plot
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,8 +433,11 @@ def _metrics_text(metrics: dict | None) -> str:
     parts = []
     if "epoch" in metrics:
         parts.append(f"epoch {_e(metrics['epoch'])}")
-    for key, label, spec in [("train_loss", "train loss", ".4f"), ("val_loss", "val loss", ".4f"),
-                             ("val_accuracy", "val accuracy", ".4f")]:
+    for key, label, spec in [
+        ("train_loss", "train loss", ".4f"),
+        ("val_loss", "val loss", ".4f"),
+        ("val_accuracy", "val accuracy", ".4f"),
+    ]:
         if key in metrics:
             parts.append(f"{label} {_fmt(metrics[key], spec)}")
     return ", ".join(parts) or DASH
@@ -379,8 +447,10 @@ def _summary_html(run: Run) -> str:
     s, status = run.summary, run.status
     name = s.get("name") or run.run_dir.name
     badge = status if status in ("finished", "failed") else "unknown"
-    head = [f'<h1>Run {_e(name)}<span class="badge {badge}">{_e(status)}</span></h1>',
-            f'<div class="sub mono">{_e(s.get("run_dir") or run.run_dir)}</div>']
+    head = [
+        f'<h1>Run {_e(name)}<span class="badge {badge}">{_e(status)}</span></h1>',
+        f'<div class="sub mono">{_e(s.get("run_dir") or run.run_dir)}</div>',
+    ]
     if s.get("error"):
         head.append(f'<div class="alert">Error: {_e(s["error"])}</div>')
     if status == "failed" and not run.epochs:
@@ -397,39 +467,64 @@ def _summary_html(run: Run) -> str:
     facts.append(("World size", f"{_e(world)} worker{'s' if world != 1 else ''}" if world else DASH))
     per_worker = s.get("per_worker_batch_size") or (run.config or {}).get("batch_size")
     global_batch = s.get("global_batch_size") or (per_worker * world if per_worker and world else None)
-    facts.append(("Batch", f"{_e(per_worker or DASH)} per worker &times; {_e(world or DASH)} workers = "
-                           f"<b>{_e(global_batch or DASH)}</b> global "
-                           '<span class="sub">(global batch = per-worker batch x workers: '
-                           'what DDP trains with)</span>'))
+    facts.append(
+        (
+            "Batch",
+            f"{_e(per_worker or DASH)} per worker &times; {_e(world or DASH)} workers = "
+            f"<b>{_e(global_batch or DASH)}</b> global "
+            '<span class="sub">(global batch = per-worker batch x workers: '
+            "what DDP trains with)</span>",
+        )
+    )
     final = s.get("final_metrics") or (run.epochs[-1] if run.epochs else None)
     facts.append(("Final metrics", _metrics_text(final)))
     facts.append(("Best metrics", _metrics_text(s.get("best_metrics"))))
-    facts.append(("Best checkpoint", f'<span class="mono">{_e(s["best_checkpoint"])}</span>'
-                  if s.get("best_checkpoint") else DASH))
+    facts.append(
+        (
+            "Best checkpoint",
+            f'<span class="mono">{_e(s["best_checkpoint"])}</span>' if s.get("best_checkpoint") else DASH,
+        )
+    )
     sps = s.get("samples_per_second")
     facts.append(("Throughput", f"{_fmt(sps, ',.0f')} samples/s over the whole run" if sps is not None else DASH))
     facts.append(("Restarts", _e(s.get("restarts", DASH))))
     if s.get("lost_nodes"):
-        facts.append(("Lost nodes", _e("; ".join(f"{n['hostname']} ({n['node_ip']}), rank(s) "
-                                               f"{', '.join(map(str, n['ranks'])) or 'none'}" for n in s["lost_nodes"]))))
+        facts.append(
+            (
+                "Lost nodes",
+                _e(
+                    "; ".join(
+                        f"{n['hostname']} ({n['node_ip']}), rank(s) {', '.join(map(str, n['ranks'])) or 'none'}"
+                        for n in s["lost_nodes"]
+                    )
+                ),
+            )
+        )
     checksums = s.get("param_checksums") or []
     reported = [c for c in checksums if c]
     if checksums and len(reported) < len(checksums):  # a failed run: some ranks never got to report
-        same_text = (f'unknown <span class="sub">({len(reported)} of {len(checksums)} ranks reported a parameter '
-                     f'checksum)</span>')
+        same_text = (
+            f'unknown <span class="sub">({len(reported)} of {len(checksums)} ranks reported a parameter '
+            f"checksum)</span>"
+        )
     else:
         distinct = len(set(reported))
         same_text = _yes_no(s.get("replicas_identical")) + (
             f' <span class="sub">({distinct} distinct parameter checksum{"s" if distinct != 1 else ""} over '
-            f'{len(reported)} ranks)</span>' if reported else "")
+            f"{len(reported)} ranks)</span>"
+            if reported
+            else ""
+        )
     facts.append(("Replicas identical", same_text))
     if s.get("seconds") is not None:
         facts.append(("Wall time", f"{_fmt(s['seconds'], ',.1f')} s"))
     if (run.run_dir / "tensorboard").is_dir():
-        facts.append(("TensorBoard", f'<code>tensorboard --logdir {_e(run.run_dir / "tensorboard")}</code>'))
+        facts.append(("TensorBoard", f"<code>tensorboard --logdir {_e(run.run_dir / 'tensorboard')}</code>"))
     rows = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts)
-    return (f'<section id="summary">{"".join(head)}<h2 style="margin-top:14px">Summary</h2>'
-            f'<dl class="facts">{rows}</dl></section>')
+    return (
+        f'<section id="summary">{"".join(head)}<h2 style="margin-top:14px">Summary</h2>'
+        f'<dl class="facts">{rows}</dl></section>'
+    )
 
 
 def _workers_html(run: Run) -> str:
@@ -438,13 +533,20 @@ def _workers_html(run: Run) -> str:
     fields = [f for f in RANK_FIELDS if f.values(last)] + _unknown_rank_fields(last)
     columns = {f.key: f.values(last) for f in fields}
     checksums = run.summary.get("param_checksums") or []
-    ranks = sorted(set(workers) | set(range(max([run.world_size] + [len(v) for v in columns.values()]))),
-                   key=lambda r: (not isinstance(r, int), r))
+    ranks = sorted(
+        set(workers) | set(range(max([run.world_size] + [len(v) for v in columns.values()]))),
+        key=lambda r: (not isinstance(r, int), r),
+    )
     if not ranks:
         return '<section id="workers"><h2>Workers</h2><p class="sub">No worker information recorded.</p></section>'
     caption = f"per-rank numbers from the last epoch ({_e(last['epoch'])})" if last else "no epoch finished"
-    head = ['<th>rank</th>', '<th class="l">hostname</th>', '<th class="l">node_ip</th>', '<th class="l">device</th>',
-            '<th>pid</th>'] + [f"<th>{_e(f.column)}</th>" for f in fields]
+    head = [
+        "<th>rank</th>",
+        '<th class="l">hostname</th>',
+        '<th class="l">node_ip</th>',
+        '<th class="l">device</th>',
+        "<th>pid</th>",
+    ] + [f"<th>{_e(f.column)}</th>" for f in fields]
     if checksums:
         head.append('<th class="l">param checksum</th>')
     body = []
@@ -460,45 +562,72 @@ def _workers_html(run: Run) -> str:
             mark = checksums[r] if isinstance(r, int) and r < len(checksums) and checksums[r] else DASH
             cells.append(f'<td class="l mono">{_e(mark)}</td>')
         body.append(f'<tr data-rank="{_e(r)}">{"".join(cells)}</tr>')
-    return (f'<section id="workers"><h2>Workers <span class="sub">{caption}</span></h2><div class="scroll">'
-            f'<table><thead><tr>{"".join(head)}</tr></thead><tbody>{"".join(body)}</tbody></table></div></section>')
+    return (
+        f'<section id="workers"><h2>Workers <span class="sub">{caption}</span></h2><div class="scroll">'
+        f"<table><thead><tr>{''.join(head)}</tr></thead><tbody>{''.join(body)}</tbody></table></div></section>"
+    )
 
 
 def _epochs_html(run: Run) -> str:
     if not run.epochs:
         return '<section id="epochs"><h2>Epochs</h2><p class="sub">No epoch finished.</p></section>'
-    head = ["epoch", "train loss", "min..max over ranks", "val loss", "val acc", "samples/s", "time (s)",
-            "max data wait (s)", "val same on all ranks"]
+    head = [
+        "epoch",
+        "train loss",
+        "min..max over ranks",
+        "val loss",
+        "val acc",
+        "samples/s",
+        "time (s)",
+        "max data wait (s)",
+        "val same on all ranks",
+    ]
     body = []
     for rec in run.epochs:
         lo, hi = rec.get("train_loss_min"), rec.get("train_loss_max")
         spread = f"{_fmt(lo)}..{_fmt(hi)}" if lo is not None and hi is not None else DASH
         waits = [w for w in _per_rank(rec, "data_wait_seconds_per_rank") or [] if w is not None]
-        cells = [_e(rec.get("epoch")), _fmt(rec.get("train_loss")), spread, _fmt(rec.get("val_loss")),
-                 _fmt(rec.get("val_accuracy")), _fmt(rec.get("samples_per_second"), ",.0f"),
-                 _fmt(rec.get("seconds"), ".1f"), _fmt(max(waits), ".2f") if waits else DASH,
-                 _yes_no(rec.get("val_identical_across_ranks"))]
-        body.append(f'<tr>{"".join(f"<td>{c}</td>" for c in cells)}</tr>')
-    return (f'<section id="epochs"><h2>Epochs</h2><div class="scroll"><table><thead><tr>'
-            f'{"".join(f"<th>{_e(h)}</th>" for h in head)}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table></div></section>')
+        cells = [
+            _e(rec.get("epoch")),
+            _fmt(rec.get("train_loss")),
+            spread,
+            _fmt(rec.get("val_loss")),
+            _fmt(rec.get("val_accuracy")),
+            _fmt(rec.get("samples_per_second"), ",.0f"),
+            _fmt(rec.get("seconds"), ".1f"),
+            _fmt(max(waits), ".2f") if waits else DASH,
+            _yes_no(rec.get("val_identical_across_ranks")),
+        ]
+        body.append(f"<tr>{''.join(f'<td>{c}</td>' for c in cells)}</tr>")
+    return (
+        f'<section id="epochs"><h2>Epochs</h2><div class="scroll"><table><thead><tr>'
+        f"{''.join(f'<th>{_e(h)}</th>' for h in head)}</tr></thead>"
+        f"<tbody>{''.join(body)}</tbody></table></div></section>"
+    )
 
 
 def _config_html(run: Run) -> str:
     if run.config is None:
         return '<section id="config"><h2>Configuration</h2><p class="sub">config.toml not available.</p></section>'
     items = list(run.config.items())
-    halves = [items[: (len(items) + 1) // 2], items[(len(items) + 1) // 2:]] if len(items) > 8 else [items]
+    halves = [items[: (len(items) + 1) // 2], items[(len(items) + 1) // 2 :]] if len(items) > 8 else [items]
     tables = []
     for half in halves:
-        rows = "".join(f'<tr><td class="l mono">{_e(k)}</td><td class="l mono">'
-                       f'{_e(v if isinstance(v, str) else json.dumps(v))}</td></tr>' for k, v in half)
-        tables.append(f'<table><thead><tr><th class="l">setting</th><th class="l">value</th></tr></thead>'
-                      f'<tbody>{rows}</tbody></table>')
-    return (f'<section id="config"><h2>Configuration <span class="sub">config.toml: rerun with '
-            f'<code>python -m raytrain_ddp.run --config {_e(run.run_dir / "config.toml")} --name NEW_NAME</code>'
-            '</span></h2>'
-            f'<div class="config">{"".join(tables)}</div></section>')
+        rows = "".join(
+            f'<tr><td class="l mono">{_e(k)}</td><td class="l mono">'
+            f"{_e(v if isinstance(v, str) else json.dumps(v))}</td></tr>"
+            for k, v in half
+        )
+        tables.append(
+            f'<table><thead><tr><th class="l">setting</th><th class="l">value</th></tr></thead>'
+            f"<tbody>{rows}</tbody></table>"
+        )
+    return (
+        f'<section id="config"><h2>Configuration <span class="sub">config.toml: rerun with '
+        f"<code>python -m raytrain_ddp.run --config {_e(run.run_dir / 'config.toml')} --name NEW_NAME</code>"
+        "</span></h2>"
+        f'<div class="config">{"".join(tables)}</div></section>'
+    )
 
 
 def _plots_html(plots: list[Plot]) -> str:
@@ -506,7 +635,9 @@ def _plots_html(plots: list[Plot]) -> str:
         return '<section id="plots"><h2>Plots</h2><p class="sub">No epoch metrics to plot.</p></section>'
     figures = "".join(
         f'<figure><img class="plot" alt="{_e(p.alt)}" title="{_e(p.file)}" '
-        f'src="data:image/png;base64,{base64.b64encode(p.png).decode("ascii")}"></figure>' for p in plots)
+        f'src="data:image/png;base64,{base64.b64encode(p.png).decode("ascii")}"></figure>'
+        for p in plots
+    )
     return f'<section id="plots"><h2>Plots</h2><div class="plots">{figures}</div></section>'
 
 
@@ -514,12 +645,14 @@ def render_html(run: Run, plots: list[Plot]) -> str:
     """The whole page: inline CSS, images as data URIs, nothing fetched from anywhere."""
     title = f"Run {run.summary.get('name') or run.run_dir.name} ({run.status})"
     made = time.strftime("%Y-%m-%d %H:%M:%S")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{_e(title)}</title><style>{CSS}</style></head><body><main>"
-            f"{_summary_html(run)}{_plots_html(plots)}{_workers_html(run)}{_epochs_html(run)}{_config_html(run)}"
-            f'<footer>Made by raytrain_ddp.report at {_e(made)} from {_e(run.run_dir)}</footer>'
-            f"</main></body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{CSS}</style></head><body><main>"
+        f"{_summary_html(run)}{_plots_html(plots)}{_workers_html(run)}{_epochs_html(run)}{_config_html(run)}"
+        f"<footer>Made by raytrain_ddp.report at {_e(made)} from {_e(run.run_dir)}</footer>"
+        f"</main></body></html>\n"
+    )
 
 
 def write_report(run_dir: Path | str) -> Path:
@@ -549,9 +682,11 @@ def write_report(run_dir: Path | str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="python -m raytrain_ddp.report",
-                                description="Write RUN_DIR/report/index.html (summary, workers, epochs, "
-                                            "configuration and plots) and print its path.")
+    parser = OneLineErrorParser(
+        prog="python -m raytrain_ddp.report",
+        description="Write RUN_DIR/report/index.html (summary, workers, epochs, "
+        "configuration and plots) and print its path.",
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory: STORAGE_PATH/NAME")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is read and written")
     args = parser.parse_args(argv)

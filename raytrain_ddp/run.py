@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="python -m raytrain_ddp.run",
         description="Data-parallel PyTorch training on a Ray cluster (one worker per GPU or CPU slot).",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags the user typed reach the config
         allow_abbrev=False,  # `--stor` must not silently mean --storage-path
     )
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, choices=f.metadata.get("choices"),
-                                metavar=f.name.upper(), help=help_text)
+            parser.add_argument(
+                flag, type=kind, choices=f.metadata.get("choices"), metavar=f.name.upper(), help=help_text
+            )
     return parser
 
 

@@ -15,8 +15,14 @@ def ray_address() -> str:
     import ray
 
     # address="local": a new Ray of our own, never one that `ray start` left on this machine (the Slurm testbed's)
-    ray.init(address="local", num_cpus=3, object_store_memory=300 * 2**20, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=3,
+        object_store_memory=300 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -32,7 +38,18 @@ def trained_run(ray_address, tmp_path_factory):
     from raytrain_ddp import TrainConfig, fit
 
     storage = tmp_path_factory.mktemp("shared-runs")
-    result = fit(TrainConfig(num_workers=2, epochs=2, train_size=1024, val_size=256, storage_path=str(storage),
-                             name="shared", report=False, tensorboard=False, mlflow_uri=f"file://{storage}/mlruns"))
+    result = fit(
+        TrainConfig(
+            num_workers=2,
+            epochs=2,
+            train_size=1024,
+            val_size=256,
+            storage_path=str(storage),
+            name="shared",
+            report=False,
+            tensorboard=False,
+            mlflow_uri=f"file://{storage}/mlruns",
+        )
+    )
     assert result.ok, result.summary.get("error")
     return result.run_dir

@@ -13,13 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 def run_cli(module: str, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGS` the way a user would, capturing its output."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full_env
+    )
 
 
-def run_python_file(path: Path, cwd: Path, env: dict | None = None, args: list[str] = (),
-                    timeout: float = 600) -> subprocess.CompletedProcess:
+def run_python_file(
+    path: Path, cwd: Path, env: dict | None = None, args: list[str] = (), timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run a script as a user would (`python path ARGS`), with the repo importable."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env=full_env)
+    return subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env
+    )

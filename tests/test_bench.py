@@ -18,8 +18,13 @@ KEYS = ("throughput_ratio", "first_step_ratio", "ingest_ratio", "scaling_efficie
 
 def test_quick_bench_writes_the_four_figures(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--json", str(out), "--md", str(md)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--json", str(out), "--md", str(md)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     for key in KEYS:

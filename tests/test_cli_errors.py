@@ -29,23 +29,55 @@ CASES = [
     ("negative-clip", ["--clip-grad-norm", "-1"], "--clip-grad-norm must be > 0, got -1.0"),
     ("negative-warmup", ["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
     ("loss-not-a-path", ["--loss", "mse"], "--loss 'mse' is not an import path like pkg.module:fn"),
-    ("model-module-missing", ["--model", "nosuchpkg.models:build"], "--model 'nosuchpkg.models:build': cannot import nosuchpkg.models: ModuleNotFoundError"),
-    ("model-attribute-missing", ["--model", "json:build"], "--model 'json:build': module json has no attribute 'build'"),
+    (
+        "model-module-missing",
+        ["--model", "nosuchpkg.models:build"],
+        "--model 'nosuchpkg.models:build': cannot import nosuchpkg.models: ModuleNotFoundError",
+    ),
+    (
+        "model-attribute-missing",
+        ["--model", "json:build"],
+        "--model 'json:build': module json has no attribute 'build'",
+    ),
     ("model-not-callable", ["--model", "json:__version__"], "--model 'json:__version__' is a str, not a callable"),
-    ("model-wrong-return", ["--model", "builtins:str"], "--model 'builtins:str' returned str, expected a torch.nn.Module"),
+    (
+        "model-wrong-return",
+        ["--model", "builtins:str"],
+        "--model 'builtins:str' returned str, expected a torch.nn.Module",
+    ),
     ("model-plugin-raises", ["--model", "builtins:len"], "--model 'builtins:len': raised TypeError"),
-    ("model-data-mismatch", ["--model", "transformer"], "--model transformer takes tokens data, but the data holds image"),
+    (
+        "model-data-mismatch",
+        ["--model", "transformer"],
+        "--model transformer takes tokens data, but the data holds image",
+    ),
     ("unknown-optimizer", ["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
     ("not-a-number", ["--epochs", "three"], "argument --epochs: invalid int value: 'three'"),
     ("unknown-flag", ["--num-gpus", "2"], "unrecognized arguments: --num-gpus 2"),
     ("bad-name", ["--name", "../escape"], "--name '../escape' may hold only letters"),
     ("half-explicit-data", ["--train-data", "/x/train"], "--train-data and --val-data go together"),
-    ("data-and-explicit", ["--data", "/x", "--train-data", "/x/t", "--val-data", "/x/v"], "either --data DIR or --train-data/--val-data"),
-    ("min-workers-above-max", ["--num-workers", "2", "--min-workers", "3"], "--min-workers must be between 1 and --num-workers (2), got 3"),
+    (
+        "data-and-explicit",
+        ["--data", "/x", "--train-data", "/x/t", "--val-data", "/x/v"],
+        "either --data DIR or --train-data/--val-data",
+    ),
+    (
+        "min-workers-above-max",
+        ["--num-workers", "2", "--min-workers", "3"],
+        "--min-workers must be between 1 and --num-workers (2), got 3",
+    ),
     ("zero-min-workers", ["--min-workers", "0"], "--min-workers must be between 1 and --num-workers (2), got 0"),
     ("zero-capacity-wait", ["--capacity-wait-s", "0"], "--capacity-wait-s must be at least 1, got 0"),
-    ("unreachable-address", ["--address", "127.0.0.1:1"], "cannot connect to the Ray cluster at 127.0.0.1:1: Connection refused"),
-    ("resume-from-missing", ["--resume-from", "/no/such/checkpoint"], "--resume-from '/no/such/checkpoint' does not exist"),
+    (
+        "unreachable-address",
+        ["--address", "127.0.0.1:1"],
+        "cannot connect to the Ray cluster at 127.0.0.1:1: Connection refused",
+    ),
+    (
+        "resume-from-missing",
+        ["--resume-from", "/no/such/checkpoint"],
+        "--resume-from '/no/such/checkpoint' does not exist",
+    ),
     ("abbreviated-flag", ["--stor", "/tmp", "--num-workers", "0"], "unrecognized arguments: --stor /tmp"),
     ("bool-with-value", ["--use-gpu=yes"], "argument --use-gpu/--no-use-gpu: ignored explicit argument 'yes'"),
     ("unknown-lr-schedule", ["--lr-schedule", "linear"], "argument --lr-schedule: invalid choice: 'linear'"),
@@ -58,10 +90,12 @@ CASES = [
     ("zero-collective-timeout", ["--collective-timeout-s", "0"], "--collective-timeout-s must be at least 1, got 0"),
     ("zero-hang-timeout", ["--hang-timeout-s", "0"], "--hang-timeout-s must be at least 1, got 0"),
     ("zero-val-size", ["--val-size", "0"], "--val-size must be at least 1, got 0"),
-    ("fewer-rows-than-workers", ["--train-size", "1", "--num-workers", "2"],
-     "--train-size holds 1 training rows, fewer than --num-workers 2"),
-    ("more-workers-than-machine", ["--num-workers", "500"],
-     "--num-workers 500 x 1 CPU does not fit this machine"),
+    (
+        "fewer-rows-than-workers",
+        ["--train-size", "1", "--num-workers", "2"],
+        "--train-size holds 1 training rows, fewer than --num-workers 2",
+    ),
+    ("more-workers-than-machine", ["--num-workers", "500"], "--num-workers 500 x 1 CPU does not fit this machine"),
     ("data-missing", ["--data", "/no/such/dataset"], "/no/such/dataset"),
     ("empty-mlflow-uri", ["--mlflow-uri", ""], "--mlflow-uri must not be empty"),
 ]
@@ -82,16 +116,19 @@ def _numeric_cases() -> list[tuple]:
         huge = str(int(UPPER_LIMITS[f.name]) * 10 + 1)
         cases.append((f"{f.name}-huge", [*extra, flag, huge], f"{flag} must be at most"))
         if _field_type(f) is float:
-            cases += [(f"{f.name}-{word}", [flag, word], f"{flag} must be a finite number, got {word}")
-                      for word in ("nan", "inf")]
+            cases += [
+                (f"{f.name}-{word}", [flag, word], f"{flag} must be a finite number, got {word}")
+                for word in ("nan", "inf")
+            ]
     return cases
 
 
 NUMERIC_CASES = _numeric_cases()
 
 
-@pytest.mark.parametrize("args, message", [c[1:] for c in CASES + NUMERIC_CASES],
-                         ids=[c[0] for c in CASES + NUMERIC_CASES])
+@pytest.mark.parametrize(
+    "args, message", [c[1:] for c in CASES + NUMERIC_CASES], ids=[c[0] for c in CASES + NUMERIC_CASES]
+)
 def test_bad_flag_is_one_line_and_exit_2(tmp_path, args, message):
     result = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), *args, timeout=60)
     assert result.returncode == 2, result.stderr
@@ -106,10 +143,20 @@ def _checkpoint(directory, drop: tuple = (), **changes) -> str:
     import torch
 
     directory.mkdir()
-    state = {"model": {}, "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 1, "step_in_epoch": 0,
-             "global_step": 32, "rng": {}, "metrics": {},
-             "config": {"model": "cnn", "name": "earlier"}, "data_spec": {"input_shape": [3, 32, 32], "num_classes": 10},
-             **changes}
+    state = {
+        "model": {},
+        "optimizer": {},
+        "scheduler": {},
+        "scaler": {},
+        "epoch": 1,
+        "step_in_epoch": 0,
+        "global_step": 32,
+        "rng": {},
+        "metrics": {},
+        "config": {"model": "cnn", "name": "earlier"},
+        "data_spec": {"input_shape": [3, 32, 32], "num_classes": 10},
+        **changes,
+    }
     torch.save({key: value for key, value in state.items() if key not in drop}, directory / "checkpoint.pt")
     return str(directory)
 
@@ -125,8 +172,11 @@ RESUME_FROM_CASES = [
     ("empty-dir", lambda d: str(d.mkdir() or d), "is not a usable checkpoint: checkpoint.pt is missing"),
     ("garbage-file", lambda d: _garbage(d) + "/checkpoint.pt", "is not a usable checkpoint: it does not load"),
     ("keys-missing", lambda d: _checkpoint(d, drop=("optimizer",)), "keys missing: optimizer"),
-    ("other-model", lambda d: _checkpoint(d, config={"model": "mlp"}, data_spec={"input_shape": [32], "num_classes": 10}),
-     "was made for model mlp on inputs (32,) with 10 classes; this run is model cnn on inputs (3, 32, 32)"),
+    (
+        "other-model",
+        lambda d: _checkpoint(d, config={"model": "mlp"}, data_spec={"input_shape": [32], "num_classes": 10}),
+        "was made for model mlp on inputs (32,) with 10 classes; this run is model cnn on inputs (3, 32, 32)",
+    ),
     ("epochs-done", lambda d: _checkpoint(d, epoch=5), "has already trained 5 epochs; ask for more --epochs"),
 ]
 
@@ -134,26 +184,43 @@ RESUME_FROM_CASES = [
 @pytest.mark.parametrize("make, message", [c[1:] for c in RESUME_FROM_CASES], ids=[c[0] for c in RESUME_FROM_CASES])
 def test_bad_resume_from_is_one_line_and_exit_2(tmp_path, make, message):
     checkpoint = make(tmp_path / "checkpoint_x")
-    result = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), "--epochs", "3",
-                     "--resume-from", checkpoint, timeout=60)
+    result = run_cli(
+        "raytrain_ddp.run",
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--epochs",
+        "3",
+        "--resume-from",
+        checkpoint,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: --resume-from '{checkpoint}' ") and message in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: --resume-from '{checkpoint}' ") and message in lines[0], (
+        lines
+    )
     assert not any((tmp_path / "runs").iterdir())
 
 
 def test_unreadable_config_file(tmp_path):
     result = run_cli("raytrain_ddp.run", "--config", str(tmp_path / "missing.toml"), timeout=60)
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: --config '{tmp_path / 'missing.toml'}' cannot be read: No such file or directory"
+    assert (
+        result.stderr.strip()
+        == f"error: --config '{tmp_path / 'missing.toml'}' cannot be read: No such file or directory"
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ("num_workers = [", "is not valid TOML"),
-    ("num_wrokers = 2\n", "unknown key 'num_wrokers'"),
-    ('num_workers = "two"\n', "num_workers must be int, got 'two'"),
-    ("num_workers = 0\n", "--num-workers must be at least 1, got 0"),
-], ids=["syntax", "unknown-key", "wrong-type", "bad-value"])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("num_workers = [", "is not valid TOML"),
+        ("num_wrokers = 2\n", "unknown key 'num_wrokers'"),
+        ('num_workers = "two"\n', "num_workers must be int, got 'two'"),
+        ("num_workers = 0\n", "--num-workers must be at least 1, got 0"),
+    ],
+    ids=["syntax", "unknown-key", "wrong-type", "bad-value"],
+)
 def test_bad_config_file(tmp_path, text, message):
     config = _write(tmp_path / "run.toml", text)
     result = run_cli("raytrain_ddp.run", "--config", config, "--storage-path", str(tmp_path), timeout=60)
@@ -172,7 +239,7 @@ def test_unwritable_storage_path(tmp_path):
 def test_flags_override_config_file(tmp_path):
     from raytrain_ddp.run import config_from_args
 
-    config = _write(tmp_path / "run.toml", "epochs = 7\nbatch_size = 32\nmodel = \"mlp\"\n")
+    config = _write(tmp_path / "run.toml", 'epochs = 7\nbatch_size = 32\nmodel = "mlp"\n')
     resolved = config_from_args(["--config", config, "--epochs", "3"])
     assert (resolved.epochs, resolved.batch_size, resolved.model) == (3, 32, "mlp")
 
@@ -188,9 +255,23 @@ def test_saved_config_reads_back_identically(tmp_path):
 def test_help_lists_every_flag_with_examples():
     result = run_cli("raytrain_ddp.run", "--help", timeout=60)
     assert result.returncode == 0
-    for flag in ("--num-workers", "--use-gpu", "--cpus-per-worker", "--model", "--dataset", "--epochs",
-                 "--batch-size", "--lr", "--optimizer", "--seed", "--storage-path", "--name",
-                 "--num-to-keep", "--config", "--address"):
+    for flag in (
+        "--num-workers",
+        "--use-gpu",
+        "--cpus-per-worker",
+        "--model",
+        "--dataset",
+        "--epochs",
+        "--batch-size",
+        "--lr",
+        "--optimizer",
+        "--seed",
+        "--storage-path",
+        "--name",
+        "--num-to-keep",
+        "--config",
+        "--address",
+    ):
         assert flag in result.stdout
     assert "examples:" in result.stdout and "global batch" in result.stdout
 
@@ -209,10 +290,15 @@ def test_console_script_is_the_same_cli():
     assert result.returncode == 2 and "--num-workers must be at least 1" in result.stderr
 
 
-@pytest.mark.parametrize("model,dataset,output_shape", [
-    ("cnn", "synthetic", (2, 10)), ("resnet18", "synthetic", (2, 10)), ("mlp", "synthetic-tabular", (2, 10)),
-    ("transformer", "synthetic-tokens", (2, 32, 64)),
-])
+@pytest.mark.parametrize(
+    "model,dataset,output_shape",
+    [
+        ("cnn", "synthetic", (2, 10)),
+        ("resnet18", "synthetic", (2, 10)),
+        ("mlp", "synthetic-tabular", (2, 10)),
+        ("transformer", "synthetic-tokens", (2, 32, 64)),
+    ],
+)
 def test_every_builtin_model_builds_and_runs(model, dataset, output_shape):
     import torch
 
@@ -229,8 +315,10 @@ def test_every_builtin_model_builds_and_runs(model, dataset, output_shape):
 
 # Flags whose bad values are tested beside the code that reads them, not in the table above.
 TESTED_ELSEWHERE = {
-    "--image-column": "tests/test_data_validate.py", "--label-column": "tests/test_data_train.py",
-    "--feature-columns": "tests/test_data_train.py", "--storage-path": "test_unwritable_storage_path",
+    "--image-column": "tests/test_data_validate.py",
+    "--label-column": "tests/test_data_train.py",
+    "--feature-columns": "tests/test_data_train.py",
+    "--storage-path": "test_unwritable_storage_path",
     "--config": "test_bad_config_file",
 }
 
@@ -239,15 +327,30 @@ def test_the_bad_input_table_covers_every_flag():
     from raytrain_ddp.config import UPPER_LIMITS
     from raytrain_ddp.run import build_parser
 
-    flags = {option for action in build_parser()._actions for option in action.option_strings
-             if option.startswith("--") and not option.startswith("--no-") and option != "--help"}
+    flags = {
+        option
+        for action in build_parser()._actions
+        for option in action.option_strings
+        if option.startswith("--") and not option.startswith("--no-") and option != "--help"
+    }
     tested = {arg.split("=")[0] for case in CASES + NUMERIC_CASES for arg in case[1] if arg.startswith("--")}
-    booleans = {"--use-gpu", "--compile", "--channels-last", "--scale-lr", "--skip-nonfinite", "--record-sample-ids",
-                "--tensorboard", "--report", "--verbose", "--tf32"}  # one table row shows how any of them fails
+    booleans = {
+        "--use-gpu",
+        "--compile",
+        "--channels-last",
+        "--scale-lr",
+        "--skip-nonfinite",
+        "--record-sample-ids",
+        "--tensorboard",
+        "--report",
+        "--verbose",
+        "--tf32",
+    }  # one table row shows how any of them fails
     assert flags - tested - set(TESTED_ELSEWHERE) - booleans == set()
     numeric = {f for f in flags if f[2:].replace("-", "_") in UPPER_LIMITS}
-    assert numeric == {flag for flag in flags if any(c[0].startswith(flag[2:].replace("-", "_") + "-huge")
-                                                        for c in NUMERIC_CASES)}
+    assert numeric == {
+        flag for flag in flags if any(c[0].startswith(flag[2:].replace("-", "_") + "-huge") for c in NUMERIC_CASES)
+    }
 
 
 def test_more_cpu_workers_than_cores_is_one_warning(caplog):
@@ -259,22 +362,38 @@ def test_more_cpu_workers_than_cores_is_one_warning(caplog):
         check_local_capacity(TrainConfig(num_workers=cores + 1))
         check_local_capacity(TrainConfig(num_workers=cores))
     assert [r.getMessage() for r in caplog.records] == [
-        f"{cores + 1} CPU workers x 1 CPU on {cores} cores: they share the cores and train slower than {cores} would"]
+        f"{cores + 1} CPU workers x 1 CPU on {cores} cores: they share the cores and train slower than {cores} would"
+    ]
 
 
 def test_data_cli_refuses_abbreviated_flags(tmp_path):
-    result = run_cli("raytrain_ddp.data", "prepare", "--fr", "csv", str(tmp_path / "t.csv"), "--out",
-                     str(tmp_path / "ds"), timeout=60)
+    result = run_cli(
+        "raytrain_ddp.data",
+        "prepare",
+        "--fr",
+        "csv",
+        str(tmp_path / "t.csv"),
+        "--out",
+        str(tmp_path / "ds"),
+        timeout=60,
+    )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "--fr" in result.stderr and not (tmp_path / "ds").exists()
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: _write(d / "notes.txt", "hello"), "is not a checkpoint: give a checkpoint directory or its checkpoint.pt"),
-    (lambda d: _garbage(d / "ck") + "/checkpoint.pt", "is not a usable checkpoint: it does not load"),
-    (lambda d: str((d / "empty").mkdir() or d / "empty"), "is not a usable checkpoint: checkpoint.pt is missing"),
-    (lambda d: _checkpoint(d / "ck", drop=("model",)), "is not a usable checkpoint: keys missing: model"),
-], ids=["text-file", "garbage", "empty-dir", "keys-missing"])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda d: _write(d / "notes.txt", "hello"),
+            "is not a checkpoint: give a checkpoint directory or its checkpoint.pt",
+        ),
+        (lambda d: _garbage(d / "ck") + "/checkpoint.pt", "is not a usable checkpoint: it does not load"),
+        (lambda d: str((d / "empty").mkdir() or d / "empty"), "is not a usable checkpoint: checkpoint.pt is missing"),
+        (lambda d: _checkpoint(d / "ck", drop=("model",)), "is not a usable checkpoint: keys missing: model"),
+    ],
+    ids=["text-file", "garbage", "empty-dir", "keys-missing"],
+)
 def test_evaluate_refuses_what_is_not_a_checkpoint(tmp_path, make, message):
     path = make(tmp_path)
     result = run_cli("raytrain_ddp.evaluate", path, timeout=120)

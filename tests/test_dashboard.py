@@ -74,42 +74,89 @@ def ray_head(tmp_path):
     token_path = tmp_path / "auth_token"
     token_path.write_text(secrets.token_hex(32))
     token_path.chmod(0o600)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_TRAIN_ENABLE_STATE_TRACKING")
+    }
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_path))
     gcs_port, dashboard_port = _free_port(), _free_port()
     head = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={gcs_port}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-         "--num-cpus=3", f"--object-store-memory={300 * 2**20}", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            str(Path(sys.executable).with_name("ray")),
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs_port}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
+            "--num-cpus=3",
+            f"--object-store-memory={300 * 2**20}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         dashboard = f"http://127.0.0.1:{dashboard_port}"
         token = token_path.read_text()
         _wait_for(lambda: _get(dashboard + TRAIN_RUNS_API, token)[0] in (200, 500), "dashboard", 120)
-        yield {"address": f"127.0.0.1:{gcs_port}", "dashboard": dashboard, "token": token, "env": env,
-               "token_path": token_path}
+        yield {
+            "address": f"127.0.0.1:{gcs_port}",
+            "dashboard": dashboard,
+            "token": token,
+            "env": env,
+            "token_path": token_path,
+        }
     finally:
         head.terminate()  # `ray start --block` stops the processes it started, and only those
         head.wait(timeout=60)
 
 
 @pytest.mark.ray
-@pytest.mark.skipif(CHROMIUM is None and os.environ.get("CI") != "true",  # in CI a missing browser fails
-                    reason="needs Debian's chromium (apt-get install chromium)")
+@pytest.mark.skipif(
+    CHROMIUM is None and os.environ.get("CI") != "true",  # in CI a missing browser fails
+    reason="needs Debian's chromium (apt-get install chromium)",
+)
 def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
     dashboard, token = ray_head["dashboard"], ray_head["token"]
     run = subprocess.Popen(
-        [sys.executable, "-m", "raytrain_ddp.run", "--address", ray_head["address"], "--num-workers", "2",
-         "--epochs", "2", "--train-size", "1024", "--val-size", "128", "--storage-path", str(tmp_path / "runs"),
-         "--name", NAME, "--no-report", "--no-tensorboard"],
-        cwd=REPO, env={**ray_head["env"], "RAYTRAIN_TEST_SLOW_DATA": "0:0.05"},  # long enough to look at it
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "raytrain_ddp.run",
+            "--address",
+            ray_head["address"],
+            "--num-workers",
+            "2",
+            "--epochs",
+            "2",
+            "--train-size",
+            "1024",
+            "--val-size",
+            "128",
+            "--storage-path",
+            str(tmp_path / "runs"),
+            "--name",
+            NAME,
+            "--no-report",
+            "--no-tensorboard",
+        ],
+        cwd=REPO,
+        env={**ray_head["env"], "RAYTRAIN_TEST_SLOW_DATA": "0:0.05"},  # long enough to look at it
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
+
         def running_with_workers():
             found = _our_run(dashboard, token)
             if found and found["status"] == "RUNNING" and found["attempts"] and found["attempts"][-1]["workers"]:
                 return found
+
         during = _wait_for(running_with_workers, f"RUNNING run {NAME!r} with workers in {TRAIN_RUNS_API}", 300, run)
         output, _ = run.communicate(timeout=600)
     finally:
@@ -148,9 +195,20 @@ def _browse(dashboard: str, token: str, page: str, expect: tuple[str, ...], prof
     """Log in to the dashboard the way its token dialog does, open `page`, wait until it shows every string
     of `expect`: (page text, PNG)."""
     browser = subprocess.Popen(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--remote-debugging-port=0",
-         f"--user-data-dir={profile}", "--window-size=1400,800", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={profile}",
+            "--window-size=1400,800",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         port_file = profile / "DevToolsActivePort"
         _wait_for(lambda: port_file.exists() and port_file.read_text().count("\n") >= 1, "Chromium DevTools", 60)
@@ -179,20 +237,23 @@ async def _devtools(port: str, dashboard: str, token: str, page: str, expect: tu
                         return reply["result"]
 
             async def evaluate(expression: str):
-                result = await call("Runtime.evaluate", expression=expression, awaitPromise=True,
-                                    returnByValue=True)
+                result = await call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
                 return result["result"].get("value")
 
             # Log in from a plain page of the dashboard's origin: the app, opened first, would keep its dialog.
             await call("Page.navigate", url=dashboard + "/api/authentication_mode")
             await _until(lambda: evaluate("document.readyState === 'complete'"))
-            status = await evaluate(f"fetch('/api/authenticate', {{method: 'POST', headers: "
-                                    f"{{Authorization: 'Bearer {token}'}}}}).then(r => r.status)")
+            status = await evaluate(
+                f"fetch('/api/authenticate', {{method: 'POST', headers: "
+                f"{{Authorization: 'Bearer {token}'}}}}).then(r => r.status)"
+            )
             assert status == 200, f"POST /api/authenticate answered {status}"
             await call("Page.navigate", url=dashboard + page)
             shows_all = " && ".join(f"document.body.innerText.includes({json.dumps(s)})" for s in expect)
-            text = await _until(lambda: evaluate(f"({shows_all}) && document.body.innerText"),
-                                lambda: evaluate("document.body.innerText"))
+            text = await _until(
+                lambda: evaluate(f"({shows_all}) && document.body.innerText"),
+                lambda: evaluate("document.body.innerText"),
+            )
             png = base64.b64decode((await call("Page.captureScreenshot", format="png"))["data"])
             return text, png
 

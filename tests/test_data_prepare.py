@@ -308,7 +308,9 @@ def test_cli_prepare_and_inspect(image_folder: tuple[Path, list[np.ndarray]], tm
         "id: int64, label: int64, image: binary",
     ):
         assert expected in shown.stdout
-    assert re.search(r"sample     id \d+, label \d \((circle|square|stripes)\), shape 3x8x8", shown.stdout)  # train is stored shuffled
+    assert re.search(
+        r"sample     id \d+, label \d \((circle|square|stripes)\), shape 3x8x8", shown.stdout
+    )  # train is stored shuffled
     assert "train" in shown.stdout and " 45 " in shown.stdout
 
     again = run_cli("prepare", "--from", "imagefolder", str(root), "--out", str(out))

@@ -24,8 +24,15 @@ def tabular_data(tmp_path_factory) -> Path:
     """1203 rows with unique ids, several files and row groups."""
     rows = synthetic.tabular_rows(np.arange(1203), seed=3)
     out = tmp_path_factory.mktemp("data") / "tabular"
-    write_tabular({name: rows[name] for name in synthetic.FEATURE_NAMES}, rows["label"], str(out),
-                  val_fraction=0.2, seed=0, rows_per_file=300, row_group_size=100)
+    write_tabular(
+        {name: rows[name] for name in synthetic.FEATURE_NAMES},
+        rows["label"],
+        str(out),
+        val_fraction=0.2,
+        seed=0,
+        rows_per_file=300,
+        row_group_size=100,
+    )
     return out
 
 
@@ -36,8 +43,17 @@ def _train_ids(data: Path) -> set[int]:
 def _config(data: Path, seed: int = 0):
     from raytrain_ddp import TrainConfig
 
-    return TrainConfig(num_workers=2, epochs=2, data=str(data), feature_columns=FEATURES, model="mlp", batch_size=32,
-                       seed=seed, report=False, tensorboard=False)
+    return TrainConfig(
+        num_workers=2,
+        epochs=2,
+        data=str(data),
+        feature_columns=FEATURES,
+        model="mlp",
+        batch_size=32,
+        seed=seed,
+        report=False,
+        tensorboard=False,
+    )
 
 
 def _train_shards(config) -> list:
@@ -45,8 +61,9 @@ def _train_shards(config) -> list:
     from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data
 
     datasets = build_datasets(config, plan_data(config))
-    per_rank = ShardingDataConfig().configure({"train": datasets["train"]}, world_size=2, worker_handles=None,
-                                              worker_node_ids=None)
+    per_rank = ShardingDataConfig().configure(
+        {"train": datasets["train"]}, world_size=2, worker_handles=None, worker_node_ids=None
+    )
     return [shards["train"] for shards in per_rank]
 
 
@@ -59,8 +76,11 @@ def _epoch_ids(shard, config, epoch: int) -> np.ndarray:
 def _pipeline_order(data: Path, seed: int) -> dict:
     """(epoch, rank) -> the ids that rank reads in that epoch, from a new build of the pipeline (another run)."""
     config = _config(data, seed)
-    return {(epoch, rank): _epoch_ids(shard, config, epoch)
-            for rank, shard in enumerate(_train_shards(config)) for epoch in (1, 2)}
+    return {
+        (epoch, rank): _epoch_ids(shard, config, epoch)
+        for rank, shard in enumerate(_train_shards(config))
+        for epoch in (1, 2)
+    }
 
 
 def _seen(result, epoch: int, rank: int) -> np.ndarray:
@@ -74,8 +94,9 @@ def recorded_run(ray_address, tabular_data, tmp_path_factory):
 
     from raytrain_ddp import fit
 
-    config = dataclasses.replace(_config(tabular_data), record_sample_ids=True,
-                                 storage_path=str(tmp_path_factory.mktemp("runs")), name="first")
+    config = dataclasses.replace(
+        _config(tabular_data), record_sample_ids=True, storage_path=str(tmp_path_factory.mktemp("runs")), name="first"
+    )
     result = fit(config)
     assert result.ok, result.summary["error"]
     return result
@@ -148,8 +169,12 @@ def test_shuffle_window_depends_on_row_order_not_on_blocks():
             while len(pending["id"]) < n and blocks:
                 pending = {name: np.concatenate([pending[name], blocks[0][name]]) for name in rows}
                 blocks.pop(0)
-            taken, pending = ({name: v[:n] for name, v in pending.items()}, {name: v[n:] for name, v in pending.items()})
+            taken, pending = (
+                {name: v[:n] for name, v in pending.items()},
+                {name: v[n:] for name, v in pending.items()},
+            )
             return taken
+
         return read
 
     batches = list(_window_shuffled(reader([100, 350, 999]), 64, 256, seed=7))
@@ -194,8 +219,18 @@ def _image_folder(root: Path, per_class: int = 60) -> Path:
 def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
     images = _image_folder(tmp_path / "images")
     out = tmp_path / "ds"
-    prepared = run_cli("raytrain_ddp.data", "prepare", "--from", "imagefolder", str(images), "--out", str(out),
-                       "--val-fraction", "0.25", timeout=120)
+    prepared = run_cli(
+        "raytrain_ddp.data",
+        "prepare",
+        "--from",
+        "imagefolder",
+        str(images),
+        "--out",
+        str(out),
+        "--val-fraction",
+        "0.25",
+        timeout=120,
+    )
     assert prepared.returncode == 0, prepared.stderr
     inspected = run_cli("raytrain_ddp.data", "inspect", str(out), timeout=60)
     assert inspected.returncode == 0 and "class_3" in inspected.stdout
@@ -203,8 +238,18 @@ def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
     from raytrain_ddp import TrainConfig, fit
     from raytrain_ddp.evaluate import evaluate_checkpoint
 
-    trained = fit(TrainConfig(num_workers=2, data=str(out), epochs=3, batch_size=16, report=False,
-                              tensorboard=False, storage_path=str(tmp_path / "runs"), name="folder"))
+    trained = fit(
+        TrainConfig(
+            num_workers=2,
+            data=str(out),
+            epochs=3,
+            batch_size=16,
+            report=False,
+            tensorboard=False,
+            storage_path=str(tmp_path / "runs"),
+            name="folder",
+        )
+    )
     assert trained.ok, trained.summary["error"]
     summary = json.loads((tmp_path / "runs" / "folder" / "summary.json").read_text())
     assert summary["final_metrics"]["val_rows"] == 60
@@ -229,28 +274,47 @@ def _bad_data(tmp_path: Path, case: str, tabular: Path) -> list[str]:
     if case == "truncated":
         data = good_train[0].read_bytes()
         (target / "part-0.parquet").write_bytes(data[: len(data) // 2])
-        return ["--train-data", str(target / "part-0.parquet"), "--val-data", str(good_train[1]),
-                "--feature-columns", FEATURES, "--model", "mlp"]
+        return [
+            "--train-data",
+            str(target / "part-0.parquet"),
+            "--val-data",
+            str(good_train[1]),
+            "--feature-columns",
+            FEATURES,
+            "--model",
+            "mlp",
+        ]
     if case == "missing-column":
         return ["--data", str(tabular), "--feature-columns", FEATURES, "--label-column", "target", "--model", "mlp"]
     if case == "string-labels":
         pq.write_table(pa.table({"f0": [0.1, 0.2], "label": ["cat", "dog"]}), target / "part-0.parquet")
-        return ["--train-data", str(target / "part-0.parquet"), "--val-data", str(target / "part-0.parquet"),
-                "--feature-columns", "f0", "--model", "mlp"]
+        return [
+            "--train-data",
+            str(target / "part-0.parquet"),
+            "--val-data",
+            str(target / "part-0.parquet"),
+            "--feature-columns",
+            "f0",
+            "--model",
+            "mlp",
+        ]
     if case == "model-mismatch":
         return ["--data", str(tabular), "--feature-columns", FEATURES, "--model", "cnn"]
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "does not exist"),
-    ("empty", "no .parquet files"),
-    ("not-parquet", "not a Parquet file"),
-    ("truncated", "part-0.parquet"),
-    ("missing-column", "'target'"),
-    ("string-labels", "integer"),
-    ("model-mismatch", "--model cnn takes image data, but the data holds tabular"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "does not exist"),
+        ("empty", "no .parquet files"),
+        ("not-parquet", "not a Parquet file"),
+        ("truncated", "part-0.parquet"),
+        ("missing-column", "'target'"),
+        ("string-labels", "integer"),
+        ("model-mismatch", "--model cnn takes image data, but the data holds tabular"),
+    ],
+)
 def test_bad_data_fails_before_anything_starts(tmp_path, tabular_data, case, message, caplog):
     """Each kind of bad data, through fit() in this process (no interpreter start-up per case); the CLI's side,
     one `error:` line and exit code 2, is the test below."""
@@ -259,8 +323,9 @@ def test_bad_data_fails_before_anything_starts(tmp_path, tabular_data, case, mes
     from raytrain_ddp.run import config_from_args
 
     storage = tmp_path / "runs"
-    config = config_from_args([*_bad_data(tmp_path, case, tabular_data), "--storage-path", str(storage),
-                               "--name", "bad"])
+    config = config_from_args(
+        [*_bad_data(tmp_path, case, tabular_data), "--storage-path", str(storage), "--name", "bad"]
+    )
     with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as refused:
         fit(config)
     assert "\n" not in str(refused.value) and message in str(refused.value), refused.value
@@ -270,8 +335,15 @@ def test_bad_data_fails_before_anything_starts(tmp_path, tabular_data, case, mes
 
 def test_bad_data_on_the_cli_is_one_line_exit_2(tmp_path, tabular_data):
     storage = tmp_path / "runs"
-    result = run_cli("raytrain_ddp.run", *_bad_data(tmp_path, "truncated", tabular_data), "--storage-path",
-                     str(storage), "--name", "bad", timeout=60)
+    result = run_cli(
+        "raytrain_ddp.run",
+        *_bad_data(tmp_path, "truncated", tabular_data),
+        "--storage-path",
+        str(storage),
+        "--name",
+        "bad",
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "part-0.parquet" in lines[0], result.stderr

@@ -11,8 +11,7 @@ pytestmark = pytest.mark.ray
 
 
 def test_train_from_python_example(ray_address, tmp_path):
-    result = run_python_file(REPO / "examples" / "train_from_python.py", cwd=tmp_path,
-                             env={"RAY_ADDRESS": ray_address})
+    result = run_python_file(REPO / "examples" / "train_from_python.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "status: finished" in result.stdout and "replicas identical: True" in result.stdout
     summary = json.loads((tmp_path / "runs" / "from-python" / "summary.json").read_text())
@@ -20,9 +19,12 @@ def test_train_from_python_example(ray_address, tmp_path):
 
 
 def test_custom_plugins_example(ray_address, tmp_path):
-    result = run_python_file(REPO / "examples" / "custom_plugins.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address},
-                             args=["--epochs", "2", "--train-size", "1024", "--val-size", "256",
-                                   "--name", "plugins-example", "--no-report"])
+    result = run_python_file(
+        REPO / "examples" / "custom_plugins.py",
+        cwd=tmp_path,
+        env={"RAY_ADDRESS": ray_address},
+        args=["--epochs", "2", "--train-size", "1024", "--val-size", "256", "--name", "plugins-example", "--no-report"],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "plugins-example" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs_completed"] == 2
@@ -30,8 +32,9 @@ def test_custom_plugins_example(ray_address, tmp_path):
 
 
 def test_fsdp_transformer_example(ray_address, tmp_path):
-    result = run_python_file(REPO / "examples" / "fsdp_transformer_lm.py", cwd=tmp_path,
-                             env={"RAY_ADDRESS": ray_address})
+    result = run_python_file(
+        REPO / "examples" / "fsdp_transformer_lm.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "status: finished" in result.stdout
     summary = json.loads((tmp_path / "runs" / "fsdp-lm" / "summary.json").read_text())

@@ -42,13 +42,24 @@ def _batch(spec, seed: int) -> dict:
     if spec.kind == "tokens":
         tokens = torch.randint(spec.num_classes, (BATCH, *spec.input_shape), generator=generator)
         return {"x": tokens, "y": tokens.roll(-1, 1)}
-    return {"x": torch.randn(BATCH, *spec.input_shape, generator=generator),
-            "y": torch.randint(spec.num_classes, (BATCH,), generator=generator)}
+    return {
+        "x": torch.randn(BATCH, *spec.input_shape, generator=generator),
+        "y": torch.randint(spec.num_classes, (BATCH,), generator=generator),
+    }
 
 
 def _config(model: str, **flags) -> TrainConfig:
-    return TrainConfig(model=model, dataset=DATASETS[model], train_size=64, val_size=16, batch_size=BATCH,
-                       optimizer="adamw", lr=1e-3, clip_grad_norm=1.0, **flags)
+    return TrainConfig(
+        model=model,
+        dataset=DATASETS[model],
+        train_size=64,
+        val_size=16,
+        batch_size=BATCH,
+        optimizer="adamw",
+        lr=1e-3,
+        clip_grad_norm=1.0,
+        **flags,
+    )
 
 
 def _train(config: TrainConfig, optimizer_steps: int = 2) -> list[float]:
@@ -67,16 +78,20 @@ def _runs(model: str, channels_last: bool) -> bool:
     return not channels_last or model == "cnn"
 
 
-MATRIX = [(model, strategy, precision, channels_last, grad_accum)
-          for model, strategy, precision, channels_last, grad_accum in itertools.product(
-              DATASETS, ("ddp", "fsdp"), ("fp32", "bf16", "fp16"), (False, True), (1, 2))
-          if _runs(model, channels_last)]
+MATRIX = [
+    (model, strategy, precision, channels_last, grad_accum)
+    for model, strategy, precision, channels_last, grad_accum in itertools.product(
+        DATASETS, ("ddp", "fsdp"), ("fp32", "bf16", "fp16"), (False, True), (1, 2)
+    )
+    if _runs(model, channels_last)
+]
 
 
 @pytest.mark.parametrize("model,strategy,precision,channels_last,grad_accum", MATRIX)
 def test_combination_trains(model, strategy, precision, channels_last, grad_accum):
-    losses = _train(_config(model, strategy=strategy, precision=precision, channels_last=channels_last,
-                            grad_accum=grad_accum))
+    losses = _train(
+        _config(model, strategy=strategy, precision=precision, channels_last=channels_last, grad_accum=grad_accum)
+    )
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
@@ -92,20 +107,43 @@ def test_channels_last_refused_for_non_image_data(model):
 
 
 def test_cli_refuses_channels_last_for_tokens_before_ray_starts(tmp_path):
-    result = run_cli("raytrain_ddp.run", "--model", "transformer", "--dataset", "synthetic-tokens",
-                     "--channels-last", "--storage-path", str(tmp_path), timeout=120)
+    result = run_cli(
+        "raytrain_ddp.run",
+        "--model",
+        "transformer",
+        "--dataset",
+        "synthetic-tokens",
+        "--channels-last",
+        "--storage-path",
+        str(tmp_path),
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: --channels-last is for 4-D image inputs, but the data holds tokens; drop --channels-last"]
+        "error: --channels-last is for 4-D image inputs, but the data holds tokens; drop --channels-last"
+    ]
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.ray
 def test_most_exotic_combination_in_a_real_ray_run(ray_address, tmp_path):
     """FSDP + bf16 (bf16 all-gathers, fp32 reduce-scatters) + channels-last + accumulation on 2 workers."""
-    config = TrainConfig(model="cnn", strategy="fsdp", precision="bf16", channels_last=True, grad_accum=2,
-                         batch_size=16, train_size=256, val_size=64, epochs=1, num_workers=2,
-                         storage_path=str(tmp_path), name="exotic", report=False, tensorboard=False)
+    config = TrainConfig(
+        model="cnn",
+        strategy="fsdp",
+        precision="bf16",
+        channels_last=True,
+        grad_accum=2,
+        batch_size=16,
+        train_size=256,
+        val_size=64,
+        epochs=1,
+        num_workers=2,
+        storage_path=str(tmp_path),
+        name="exotic",
+        report=False,
+        tensorboard=False,
+    )
     result = fit(config)
     assert result.ok, result.summary["error"]
     scored = evaluate_checkpoint(result.best_checkpoint)

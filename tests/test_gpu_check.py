@@ -21,7 +21,8 @@ def test_gpu_check_refuses_without_cuda_in_one_line_and_writes_nothing(tmp_path)
     result = run_cli("bench.gpu_check", "--out", str(out), timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"error: the GPU check needs a CUDA GPU; torch {torch.__version__} sees none"]
+        f"error: the GPU check needs a CUDA GPU; torch {torch.__version__} sees none"
+    ]
     assert not out.exists()
 
 
@@ -40,8 +41,9 @@ def test_environment_names_the_versions_without_a_gpu():
 
 def test_carried_parts_unpack_into_an_importable_site(tmp_path):
     parts = []
-    for number, (name, text) in enumerate([("carried_a/__init__.py", "VALUE = 1\n"),
-                                           ("carried_b/__init__.py", "from carried_a import VALUE\n")]):
+    for number, (name, text) in enumerate(
+        [("carried_a/__init__.py", "VALUE = 1\n"), ("carried_b/__init__.py", "from carried_a import VALUE\n")]
+    ):
         part = tmp_path / f"part-{number}.tar.xz"
         with tarfile.open(part, "w:xz") as tar:
             data = text.encode()
@@ -51,6 +53,12 @@ def test_carried_parts_unpack_into_an_importable_site(tmp_path):
         parts.append(part)
     site = tmp_path / "site"
     assert unpack_carried(parts, site) == ["carried_a", "carried_b"]
-    done = subprocess.run([sys.executable, "-c", "import carried_b; print(carried_b.VALUE)"], capture_output=True,
-                          text=True, cwd=REPO, env={"PYTHONPATH": str(site)}, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", "import carried_b; print(carried_b.VALUE)"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(site)},
+        timeout=60,
+    )
     assert done.stdout.strip() == "1", done.stderr

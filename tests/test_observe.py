@@ -15,9 +15,21 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
 
     monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowData")
     monkeypatch.setenv("RAYTRAIN_TEST_SLOW_DATA", "1:0.4")  # rank 1 waits 0.4 s for every batch
-    result = fit(TrainConfig(num_workers=2, epochs=1, dataset="synthetic-tabular", model="mlp", train_size=2000,
-                             val_size=200, batch_size=50, storage_path=str(tmp_path), name="slow", report=False,
-                             tensorboard=False))
+    result = fit(
+        TrainConfig(
+            num_workers=2,
+            epochs=1,
+            dataset="synthetic-tabular",
+            model="mlp",
+            train_size=2000,
+            val_size=200,
+            batch_size=50,
+            storage_path=str(tmp_path),
+            name="slow",
+            report=False,
+            tensorboard=False,
+        )
+    )
     assert result.ok, result.summary["error"]
     epoch = result.epochs[0]
     wait0, wait1 = epoch["data_wait_seconds_per_rank"]
@@ -37,7 +49,9 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
     # Ray's own logs stay off the console but are linked from the run directory; worker lines say who wrote them
     ray_logs = result.run_dir / "ray-logs"
     assert ray_logs.is_dir()
-    worker_lines = "".join(p.read_text(errors="replace") for p in ray_logs.rglob("*") if p.is_file() and p.stat().st_size < 50_000_000)
+    worker_lines = "".join(
+        p.read_text(errors="replace") for p in ray_logs.rglob("*") if p.is_file() and p.stat().st_size < 50_000_000
+    )
     assert "[rank 1 on " in worker_lines and "training on cpu from epoch 1" in worker_lines
 
 

@@ -9,7 +9,7 @@ from support import run_cli
 
 pytestmark = pytest.mark.ray
 
-PLUGIN_MODULE = '''
+PLUGIN_MODULE = """
 import numpy as np
 import ray.data
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ def list_of_data(config):
 
 def data_without_y(config):
     return {"train": ray.data.range(8).map_batches(lambda b: {"x": b["id"]}), "val": ray.data.range(4)}
-'''
+"""
 
 
 @pytest.fixture
@@ -62,10 +62,31 @@ def plugin_dir(tmp_path):
 
 
 def test_model_dataset_and_loss_by_import_path(ray_address, plugin_dir, tmp_path):
-    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--storage-path", str(tmp_path / "runs"),
-                     "--name", "plugged", "--model", "myplugins:build", "--dataset", "myplugins:data",
-                     "--loss", "myplugins:offset_loss", "--epochs", "2", "--train-size", "1024",
-                     "--val-size", "256", "--lr", "0.1", "--no-report", env={"PYTHONPATH": str(plugin_dir)})
+    result = run_cli(
+        "raytrain_ddp.run",
+        "--address",
+        ray_address,
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--name",
+        "plugged",
+        "--model",
+        "myplugins:build",
+        "--dataset",
+        "myplugins:data",
+        "--loss",
+        "myplugins:offset_loss",
+        "--epochs",
+        "2",
+        "--train-size",
+        "1024",
+        "--val-size",
+        "256",
+        "--lr",
+        "0.1",
+        "--no-report",
+        env={"PYTHONPATH": str(plugin_dir)},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / "plugged" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2]
@@ -75,14 +96,32 @@ def test_model_dataset_and_loss_by_import_path(ray_address, plugin_dir, tmp_path
     assert 'model = "myplugins:build"' in (tmp_path / "runs" / "plugged" / "config.toml").read_text()
 
 
-@pytest.mark.parametrize("dataset, message", [
-    ("myplugins:list_of_data", "--dataset 'myplugins:list_of_data' returned list, expected {'train': ray.data.Dataset"),
-    ("myplugins:data_without_y", "--dataset 'myplugins:data_without_y': training rows lack column(s) y"),
-])
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        (
+            "myplugins:list_of_data",
+            "--dataset 'myplugins:list_of_data' returned list, expected {'train': ray.data.Dataset",
+        ),
+        ("myplugins:data_without_y", "--dataset 'myplugins:data_without_y': training rows lack column(s) y"),
+    ],
+)
 def test_dataset_plugin_errors_are_one_line(ray_address, plugin_dir, tmp_path, dataset, message):
-    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--storage-path", str(tmp_path / "runs"),
-                     "--name", "bad", "--dataset", dataset, "--model", "myplugins:build",
-                     env={"PYTHONPATH": str(plugin_dir)}, timeout=120)
+    result = run_cli(
+        "raytrain_ddp.run",
+        "--address",
+        ray_address,
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--name",
+        "bad",
+        "--dataset",
+        dataset,
+        "--model",
+        "myplugins:build",
+        env={"PYTHONPATH": str(plugin_dir)},
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], result.stderr

@@ -48,8 +48,16 @@ def _epochs(run_dir: Path) -> list[int]:
 def _config(tmp_path: Path, name: str, **overrides):
     from raytrain_ddp import TrainConfig
 
-    values = dict(num_workers=2, epochs=3, train_size=4096, val_size=512, storage_path=str(tmp_path), name=name,
-                  report=False, tensorboard=False)  # not read here: seconds a run on this machine
+    values = dict(
+        num_workers=2,
+        epochs=3,
+        train_size=4096,
+        val_size=512,
+        storage_path=str(tmp_path),
+        name=name,
+        report=False,
+        tensorboard=False,
+    )  # not read here: seconds a run on this machine
     return TrainConfig(**{**values, **overrides})
 
 
@@ -93,16 +101,44 @@ def test_watchdog_names_the_stuck_rank_long_before_the_collective_timeout(ray_ad
 def test_nonfinite_loss_stops_the_run_naming_where(ray_address, tmp_path):
     from raytrain_ddp import fit
 
-    result = fit(_config(tmp_path, "diverged", epochs=1, dataset="synthetic-tabular", model="mlp", train_size=512,
-                         val_size=64, lr=1e12, max_failures=0))
+    result = fit(
+        _config(
+            tmp_path,
+            "diverged",
+            epochs=1,
+            dataset="synthetic-tabular",
+            model="mlp",
+            train_size=512,
+            val_size=64,
+            lr=1e12,
+            max_failures=0,
+        )
+    )
     assert not result.ok
     assert "training loss is" in result.summary["error"] and "at epoch 1, by step" in result.summary["error"]
 
 
 def _cli(tmp_path: Path, name: str, *extra: str, address: str, epochs: int = 3) -> list[str]:
-    return [sys.executable, "-m", "raytrain_ddp.run", "--address", address, "--epochs", str(epochs),
-            "--train-size", "2048", "--val-size", "256", "--storage-path", str(tmp_path), "--name", name,
-            "--no-report", "--no-tensorboard", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "raytrain_ddp.run",
+        "--address",
+        address,
+        "--epochs",
+        str(epochs),
+        "--train-size",
+        "2048",
+        "--val-size",
+        "256",
+        "--storage-path",
+        str(tmp_path),
+        "--name",
+        name,
+        "--no-report",
+        "--no-tensorboard",
+        *extra,
+    ]
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:
@@ -118,8 +154,13 @@ def _wait_for_checkpoint_of_epoch(run_dir: Path, epoch: int, timeout: float = 30
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         latest = _latest_checkpoint(run_dir)
-        if latest and json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())[
-                "latest_checkpoint_result"]["metrics"].get("epoch") == epoch:
+        if (
+            latest
+            and json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"][
+                "metrics"
+            ].get("epoch")
+            == epoch
+        ):
             return latest
         time.sleep(0.2)
     raise TimeoutError(f"no checkpoint of epoch {epoch} in {run_dir}")
@@ -149,12 +190,18 @@ def test_rerun_after_a_driver_crash_resumes_and_a_corrupt_latest_checkpoint_is_s
 
 
 def test_resume_from_starts_a_new_run_from_a_checkpoint(ray_address, tmp_path):
-    first = subprocess.run(_cli(tmp_path, "source", address=ray_address, epochs=1), cwd=REPO,
-                           capture_output=True, text=True, timeout=600)
+    first = subprocess.run(
+        _cli(tmp_path, "source", address=ray_address, epochs=1), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     checkpoint = json.loads((tmp_path / "source" / "summary.json").read_text())["best_checkpoint"]
-    second = subprocess.run(_cli(tmp_path, "continued", "--resume-from", checkpoint, address=ray_address, epochs=2),
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(
+        _cli(tmp_path, "continued", "--resume-from", checkpoint, address=ray_address, epochs=2),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"Starting from checkpoint {Path(checkpoint).parent} (epoch 1) of run source" in second.stderr
     assert _epochs(tmp_path / "continued") == [2]  # epoch 1 came with the checkpoint
@@ -168,10 +215,13 @@ def test_usr1_stops_at_a_checkpoint_and_the_same_command_resumes(ray_address, tm
     run_dir = tmp_path / "preempted"
     # Epochs of >= 3 s however idle the machine: the stop request (heartbeats
     # every second, checked every 10 steps) must land before the last epoch.
-    slowed = {**os.environ, "RAYTRAIN_WORKER_HOOKS": "worker_hooks:SlowData", "RAYTRAIN_TEST_SLOW_DATA": "0:0.2",
-              "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=slowed)
+    slowed = {
+        **os.environ,
+        "RAYTRAIN_WORKER_HOOKS": "worker_hooks:SlowData",
+        "RAYTRAIN_TEST_SLOW_DATA": "0:0.2",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=slowed)
     _wait_for_epoch(run_dir, 1)
     time.sleep(1)  # into epoch 2
     first.send_signal(signal.SIGUSR1)

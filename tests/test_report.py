@@ -126,12 +126,30 @@ def test_failed_run_with_no_epochs_gets_a_report(tmp_path, trained_run):
     run_dir = tmp_path / "crashed"
     run_dir.mkdir()
     shutil.copy(trained_run / "config.toml", run_dir)
-    (run_dir / "summary.json").write_text(json.dumps({
-        "status": "failed", "error": "rank 1: RuntimeError: boom <b>not markup</b>", "name": "crashed",
-        "run_dir": str(run_dir), "epochs_completed": 0, "epochs_requested": 2, "world_size": 2,
-        "per_worker_batch_size": 64, "global_batch_size": 128, "workers": [], "restarts": 2, "final_metrics": None,
-        "best_checkpoint": None, "best_metrics": None, "samples_per_second": None, "param_checksums": [None, None],
-        "replicas_identical": False, "seconds": 3.2}))
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": "failed",
+                "error": "rank 1: RuntimeError: boom <b>not markup</b>",
+                "name": "crashed",
+                "run_dir": str(run_dir),
+                "epochs_completed": 0,
+                "epochs_requested": 2,
+                "world_size": 2,
+                "per_worker_batch_size": 64,
+                "global_batch_size": 128,
+                "workers": [],
+                "restarts": 2,
+                "final_metrics": None,
+                "best_checkpoint": None,
+                "best_metrics": None,
+                "samples_per_second": None,
+                "param_checksums": [None, None],
+                "replicas_identical": False,
+                "seconds": 3.2,
+            }
+        )
+    )
     page = write_report(run_dir).read_text()
     doc = parse(page)
     text = " ".join(" ".join(doc.text).split())
@@ -153,8 +171,12 @@ def test_new_per_rank_fields_show_and_missing_ones_are_left_out(tmp_path, traine
     with open(run_dir / "metrics.jsonl", "w") as f:
         for rec in records:
             rec.pop("data_wait_seconds_per_rank")
-            rec.update(step_seconds_per_rank=[0.01, 0.012], gpu_memory_peak_gib_per_rank=[1.5, 1.25],
-                       mystery_per_rank=[7, 8], not_a_list_per_rank="x")
+            rec.update(
+                step_seconds_per_rank=[0.01, 0.012],
+                gpu_memory_peak_gib_per_rank=[1.5, 1.25],
+                mystery_per_rank=[7, 8],
+                not_a_list_per_rank="x",
+            )
             f.write(json.dumps(rec) + "\n")
         f.write('{"epoch": 3, "train_lo')  # a line cut short by a crash
     index = write_report(run_dir)
@@ -162,7 +184,7 @@ def test_new_per_rank_fields_show_and_missing_ones_are_left_out(tmp_path, traine
     assert {"step_seconds_per_rank.png", "gpu_memory_peak_gib_per_rank.png"} <= files
     assert "data_wait_seconds_per_rank.png" not in files
     page = index.read_text()
-    workers = page[page.index('id="workers"'):page.index('id="epochs"')]
+    workers = page[page.index('id="workers"') : page.index('id="epochs"')]
     assert "GPU mem peak (GiB)" in workers and "mystery" in workers and "data wait" not in workers
     text = " ".join(parse(page).text)
     assert "line 3 is not JSON" in text
@@ -184,21 +206,35 @@ def test_tensorboard_log_round_trip(tmp_path, trained_run):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = {"train/loss", "train/loss_min", "train/loss_max", "val/loss", "val/accuracy",
-                "throughput/samples_per_second", "throughput/rank_0", "throughput/rank_1",
-                "data_wait/rank_0", "data_wait/rank_1"}
+    expected = {
+        "train/loss",
+        "train/loss_min",
+        "train/loss_max",
+        "val/loss",
+        "val/accuracy",
+        "throughput/samples_per_second",
+        "throughput/rank_0",
+        "throughput/rank_1",
+        "data_wait/rank_0",
+        "data_wait/rank_1",
+    }
     assert expected <= tags, expected - tags
 
     def series(tag):
         return [(e.step, e.value) for e in events.Scalars(tag)]
 
-    for tag, key in [("train/loss", "train_loss"), ("val/accuracy", "val_accuracy"),
-                     ("throughput/samples_per_second", "samples_per_second")]:
+    for tag, key in [
+        ("train/loss", "train_loss"),
+        ("val/accuracy", "val_accuracy"),
+        ("throughput/samples_per_second", "samples_per_second"),
+    ]:
         assert series(tag) == [(r["epoch"], pytest.approx(r[key], rel=1e-6)) for r in records], tag
     assert series("throughput/rank_1") == [
-        (r["epoch"], pytest.approx(r["samples_per_rank"][1] / r["seconds"], rel=1e-6)) for r in records]
+        (r["epoch"], pytest.approx(r["samples_per_rank"][1] / r["seconds"], rel=1e-6)) for r in records
+    ]
     assert series("data_wait/rank_0") == [
-        (r["epoch"], pytest.approx(r["data_wait_seconds_per_rank"][0], rel=1e-6)) for r in records]
+        (r["epoch"], pytest.approx(r["data_wait_seconds_per_rank"][0], rel=1e-6)) for r in records
+    ]
 
 
 def _chromium() -> str:
@@ -211,9 +247,19 @@ def _chromium() -> str:
 
 
 def _headless(chromium: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               f"--user-data-dir={profile}", *args]
+    command = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 

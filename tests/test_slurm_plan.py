@@ -9,9 +9,15 @@ from raytrain_ddp.cluster.plan import Ports
 from raytrain_ddp.errors import ConfigError
 
 
-@pytest.mark.parametrize("spec, cpus", [
-    ("8(x2),4", [8, 8, 4]), ("3", [3]), ("3(x2)", [3, 3]), ("16,8(x3)", [16, 8, 8, 8]),
-])
+@pytest.mark.parametrize(
+    "spec, cpus",
+    [
+        ("8(x2),4", [8, 8, 4]),
+        ("3", [3]),
+        ("3(x2)", [3, 3]),
+        ("16,8(x3)", [16, 8, 8, 8]),
+    ],
+)
 def test_cpu_lists(spec, cpus):
     assert plan.expand_cpu_list(spec) == cpus
 
@@ -21,11 +27,24 @@ def test_a_cpu_list_that_is_not_one_is_refused():
         plan.expand_cpu_list("8(y2)")
 
 
-@pytest.mark.parametrize("spec, gpus", [
-    ("3", 3), ("gpu:3", 3), ("a100:3", 3), ("gpu:a100:3", 3), ("gpu:a100:2(IDX:0-1)", 2), ("gres/gpu:3", 3),
-    ("gres:gpu:4", 4), ("gres/gpu:a100:2,gres/shard:1", 2), ("gres/shard:1,gres/gpu:2", 2), ("", 0), (None, 0),
-    ("gres/shard:4", 0), ("0", 0),
-])
+@pytest.mark.parametrize(
+    "spec, gpus",
+    [
+        ("3", 3),
+        ("gpu:3", 3),
+        ("a100:3", 3),
+        ("gpu:a100:3", 3),
+        ("gpu:a100:2(IDX:0-1)", 2),
+        ("gres/gpu:3", 3),
+        ("gres:gpu:4", 4),
+        ("gres/gpu:a100:2,gres/shard:1", 2),
+        ("gres/shard:1,gres/gpu:2", 2),
+        ("", 0),
+        (None, 0),
+        ("gres/shard:4", 0),
+        ("0", 0),
+    ],
+)
 def test_gpu_counts(spec, gpus):
     assert plan.gpu_count(spec) == gpus
 
@@ -39,15 +58,18 @@ def test_cpus_per_node_prefers_the_override_then_cpus_per_task_then_slurms_list(
     assert plan.cpus_per_node({}, 2, fallback=4) == [4, 4]
 
 
-@pytest.mark.parametrize("env, gpus, known", [
-    ({}, 0, False),
-    ({"SLURM_GPUS_PER_NODE": "gpu:a100:2(IDX:0-1)"}, 2, True),
-    ({"SLURM_GPUS_PER_NODE": "3", "SLURM_GPUS_ON_NODE": "3"}, 3, True),
-    ({"SLURM_JOB_GPUS": "0,1,2,3"}, 4, False),
-    ({"SLURM_TRES_PER_NODE": "gres/gpu:2"}, 2, False),
-    ({"SLURM_GPUS": "6"}, 3, False),  # --gpus=6 over 2 nodes
-    ({"RAYTRAIN_GPUS_PER_NODE": "3", "SLURM_GPUS_PER_NODE": "1"}, 3, True),
-])
+@pytest.mark.parametrize(
+    "env, gpus, known",
+    [
+        ({}, 0, False),
+        ({"SLURM_GPUS_PER_NODE": "gpu:a100:2(IDX:0-1)"}, 2, True),
+        ({"SLURM_GPUS_PER_NODE": "3", "SLURM_GPUS_ON_NODE": "3"}, 3, True),
+        ({"SLURM_JOB_GPUS": "0,1,2,3"}, 4, False),
+        ({"SLURM_TRES_PER_NODE": "gres/gpu:2"}, 2, False),
+        ({"SLURM_GPUS": "6"}, 3, False),  # --gpus=6 over 2 nodes
+        ({"RAYTRAIN_GPUS_PER_NODE": "3", "SLURM_GPUS_PER_NODE": "1"}, 3, True),
+    ],
+)
 def test_gpus_per_node(env, gpus, known):
     assert plan.gpus_per_node(env, 2) == (gpus, known)
 
@@ -90,14 +112,30 @@ def test_node_local_storage():
 
 
 def test_job_plan_from_a_fake_slurm_environment():
-    env = {"SLURM_JOB_ID": "1234", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_CPUS_PER_NODE": "8(x2)",
-           "SLURM_GPUS_PER_NODE": "gpu:3", "RAYTRAIN_TMPDIR": "/t"}
-    p = plan.job_plan(env, ["a", "b"], head_ip="10.0.0.1", ports=Ports.block(22350), python="/py", home="/h",
-                      fallback_cpus=1)
+    env = {
+        "SLURM_JOB_ID": "1234",
+        "SLURM_RESTART_COUNT": "1",
+        "SLURM_JOB_CPUS_PER_NODE": "8(x2)",
+        "SLURM_GPUS_PER_NODE": "gpu:3",
+        "RAYTRAIN_TMPDIR": "/t",
+    }
+    p = plan.job_plan(
+        env, ["a", "b"], head_ip="10.0.0.1", ports=Ports.block(22350), python="/py", home="/h", fallback_cpus=1
+    )
     assert (p.head, p.cpus, p.gpus, p.gpus_known, p.restart_count) == ("a", [8, 8], 3, True, 1)
     assert p.step_gpus == 3
-    assert plan.job_plan({**env, "RAYTRAIN_GPUS_PER_NODE": "4"}, ["a"], head_ip="h", ports=Ports.block(22340),
-                         python="/py", home="/h", fallback_cpus=1).step_gpus == 3  # the step asks what Slurm gave
+    assert (
+        plan.job_plan(
+            {**env, "RAYTRAIN_GPUS_PER_NODE": "4"},
+            ["a"],
+            head_ip="h",
+            ports=Ports.block(22340),
+            python="/py",
+            home="/h",
+            fallback_cpus=1,
+        ).step_gpus
+        == 3
+    )  # the step asks what Slurm gave
     assert p.head_address == "10.0.0.1:22350" and p.derived_ports.gcs == 22340
     assert p.job_dir == "/h/.raytrain/job-1234" and p.node_tmp(1) == "/t/rt1234.1" and p.tag(1) == "rt-1234-1"
     assert plan.JobPlan.from_json(p.to_json()) == p

@@ -64,7 +64,9 @@ def test_a_schedule_resumed_at_another_world_size_follows_it():
     assert one.param_groups[0]["lr"] == pytest.approx(0.2 * lr_factor(16, 32, 8, "cosine"))  # as saved: 2 workers
     resume_schedule(one_schedule, config.lr_for(1), 2 * 16)
     half_way = 0.1 * lr_factor(32, 64, 16, "cosine")  # epoch 2 of 4 done, counted in 1 worker's 16 steps
-    assert one.param_groups[0]["lr"] == pytest.approx(half_way) == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi / 3)))
+    assert (
+        one.param_groups[0]["lr"] == pytest.approx(half_way) == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi / 3)))
+    )
     assert one_schedule.get_last_lr() == pytest.approx([half_way])
     one.step()
     one_schedule.step()
@@ -103,9 +105,20 @@ def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_add
     from raytrain_ddp import fit
     from raytrain_ddp.evaluate import evaluate_checkpoint
 
-    config = _config(tmp_path, "fsdp-lm", model="transformer", dataset="synthetic-tokens", strategy="fsdp",
-                     precision="bf16", optimizer="adamw", lr=0.003, epochs=2, train_size=2048, val_size=256,
-                     clip_grad_norm=1.0)
+    config = _config(
+        tmp_path,
+        "fsdp-lm",
+        model="transformer",
+        dataset="synthetic-tokens",
+        strategy="fsdp",
+        precision="bf16",
+        optimizer="adamw",
+        lr=0.003,
+        epochs=2,
+        train_size=2048,
+        val_size=256,
+        clip_grad_norm=1.0,
+    )
     result = fit(config)
     assert result.ok, result.summary["error"]
     first, last = result.epochs
@@ -120,9 +133,23 @@ def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_add
     assert scored["val_rows"] == 256
 
     # Continue the same run on ONE worker: the full state dict reshards to any world size.
-    resumed = fit(_config(tmp_path, "fsdp-lm", model="transformer", dataset="synthetic-tokens", strategy="fsdp",
-                          precision="bf16", optimizer="adamw", lr=0.003, epochs=3, train_size=2048, val_size=256,
-                          clip_grad_norm=1.0, num_workers=1))
+    resumed = fit(
+        _config(
+            tmp_path,
+            "fsdp-lm",
+            model="transformer",
+            dataset="synthetic-tokens",
+            strategy="fsdp",
+            precision="bf16",
+            optimizer="adamw",
+            lr=0.003,
+            epochs=3,
+            train_size=2048,
+            val_size=256,
+            clip_grad_norm=1.0,
+            num_workers=1,
+        )
+    )
     assert resumed.ok, resumed.summary["error"]
     assert [r["epoch"] for r in _records(resumed.run_dir)] == [1, 2, 3]
     assert resumed.epochs[-1]["samples_per_rank"] == [2048]
@@ -133,9 +160,22 @@ def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_add
 def test_fp16_with_grad_scaler_warmup_and_step_schedule(ray_address, tmp_path):
     from raytrain_ddp import fit
 
-    config = _config(tmp_path, "fp16", model="cnn", precision="fp16", epochs=2, train_size=1024, val_size=256,
-                     batch_size=32, lr=0.01, scale_lr=True, warmup_epochs=1, lr_schedule="step",
-                     clip_grad_norm=5.0, channels_last=True)
+    config = _config(
+        tmp_path,
+        "fp16",
+        model="cnn",
+        precision="fp16",
+        epochs=2,
+        train_size=1024,
+        val_size=256,
+        batch_size=32,
+        lr=0.01,
+        scale_lr=True,
+        warmup_epochs=1,
+        lr_schedule="step",
+        clip_grad_norm=5.0,
+        channels_last=True,
+    )
     result = fit(config)
     assert result.ok, result.summary["error"]
     assert all(math.isfinite(r["train_loss"]) for r in result.epochs)
@@ -148,8 +188,11 @@ def test_fp16_with_grad_scaler_warmup_and_step_schedule(ray_address, tmp_path):
 def test_compiled_model_trains(ray_address, tmp_path):
     from raytrain_ddp import fit
 
-    result = fit(_config(tmp_path, "compiled", model="mlp", dataset="synthetic-tabular", compile=True,
-                         train_size=1024, val_size=256))
+    result = fit(
+        _config(
+            tmp_path, "compiled", model="mlp", dataset="synthetic-tabular", compile=True, train_size=1024, val_size=256
+        )
+    )
     assert result.ok, result.summary["error"]
     assert result.final_metrics["val_accuracy"] > 0.5
     assert result.summary["replicas_identical"]

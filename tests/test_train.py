@@ -11,17 +11,46 @@ from support import run_cli, run_python_file
 
 pytestmark = pytest.mark.ray
 
-SUMMARY_KEYS = {"status", "error", "epochs_completed", "world_size", "global_batch_size", "workers",
-                "final_metrics", "best_checkpoint", "samples_per_second", "param_checksums", "restarts"}
-EPOCH_KEYS = {"epoch", "train_loss", "train_loss_min", "train_loss_max", "val_loss", "val_accuracy",
-              "samples_per_second", "samples_per_rank", "seconds", "val_accuracy_per_rank"}
+SUMMARY_KEYS = {
+    "status",
+    "error",
+    "epochs_completed",
+    "world_size",
+    "global_batch_size",
+    "workers",
+    "final_metrics",
+    "best_checkpoint",
+    "samples_per_second",
+    "param_checksums",
+    "restarts",
+}
+EPOCH_KEYS = {
+    "epoch",
+    "train_loss",
+    "train_loss_min",
+    "train_loss_max",
+    "val_loss",
+    "val_accuracy",
+    "samples_per_second",
+    "samples_per_rank",
+    "seconds",
+    "val_accuracy_per_rank",
+}
 
 
 # The CLI run below trains on less data than the built-in default (8192/2048 rows, 5 epochs: ~45 s more here);
 # test_cli_defaults pins those defaults.
 EPOCHS, TRAIN_ROWS, VAL_ROWS = 2, 4096, 1024
-DEFAULT_RUN_ARGS = ("--name", "default", "--epochs", str(EPOCHS), "--train-size", str(TRAIN_ROWS),
-                    "--val-size", str(VAL_ROWS))
+DEFAULT_RUN_ARGS = (
+    "--name",
+    "default",
+    "--epochs",
+    str(EPOCHS),
+    "--train-size",
+    str(TRAIN_ROWS),
+    "--val-size",
+    str(VAL_ROWS),
+)
 
 
 def test_cli_defaults():
@@ -91,7 +120,7 @@ def test_every_epoch_has_the_cross_rank_picture(default_run):
 
 def test_run_directory_holds_config_and_best_checkpoint(default_run):
     _, run_dir, summary, epochs = default_run
-    assert 'num_workers = 2' in (run_dir / "config.toml").read_text()
+    assert "num_workers = 2" in (run_dir / "config.toml").read_text()
     state = torch.load(summary["best_checkpoint"], weights_only=True)
     assert {"model", "optimizer", "epoch", "metrics", "config"} <= state.keys()
     best_epoch = max(epochs, key=lambda e: e["val_accuracy"])
@@ -110,8 +139,15 @@ def test_evaluate_reproduces_recorded_accuracy(default_run):
 
 def test_finished_run_is_not_retrained(default_run, ray_address):
     _, run_dir, *_ = default_run
-    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--storage-path", str(run_dir.parent),
-                     *DEFAULT_RUN_ARGS, timeout=120)
+    result = run_cli(
+        "raytrain_ddp.run",
+        "--address",
+        ray_address,
+        "--storage-path",
+        str(run_dir.parent),
+        *DEFAULT_RUN_ARGS,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "already finished" in result.stderr and "choose a new --name" in result.stderr
 
@@ -122,9 +158,23 @@ def test_python_api_elastic_start_on_uneven_data(ray_address, tmp_path):
     evenly, an odd-sized val split."""
     from raytrain_ddp import TrainConfig, fit
 
-    result = fit(TrainConfig(num_workers=4, min_workers=1, scale_lr=True, epochs=2, dataset="synthetic-tabular",
-                             model="mlp", train_size=1001, val_size=301, batch_size=50, storage_path=str(tmp_path),
-                             name="api", report=False, tensorboard=False))
+    result = fit(
+        TrainConfig(
+            num_workers=4,
+            min_workers=1,
+            scale_lr=True,
+            epochs=2,
+            dataset="synthetic-tabular",
+            model="mlp",
+            train_size=1001,
+            val_size=301,
+            batch_size=50,
+            storage_path=str(tmp_path),
+            name="api",
+            report=False,
+            tensorboard=False,
+        )
+    )
     assert result.ok, result.summary["error"]
     log = (result.run_dir / "driver.log").read_text()
     assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in log
@@ -142,12 +192,17 @@ def test_python_api_elastic_start_on_uneven_data(ray_address, tmp_path):
 
 def test_infeasible_request_fails_in_seconds(ray_address, tmp_path):
     started = time.monotonic()
-    result = run_cli("raytrain_ddp.run", "--address", ray_address, "--num-workers", "8",
-                     "--storage-path", str(tmp_path), timeout=60)
+    result = run_cli(
+        "raytrain_ddp.run", "--address", ray_address, "--num-workers", "8", "--storage-path", str(tmp_path), timeout=60
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
-    assert "asked for 8 workers x 1 CPU" in line and "hold 2 beside 1 CPU for Ray Data loading" in line and "try --num-workers 2" in line
+    assert (
+        "asked for 8 workers x 1 CPU" in line
+        and "hold 2 beside 1 CPU for Ray Data loading" in line
+        and "try --num-workers 2" in line
+    )
     assert elapsed < 30  # not Ray Train's 60 s start timeout, nor for ever
     assert not any(tmp_path.iterdir())
 
@@ -179,7 +234,8 @@ import sys
 import ray
 from raytrain_ddp.run import main
 # This machine has no GPU: a Ray that counts one is exactly Ray seeing a GPU that CUDA does not.
-ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20,
+         log_to_driver=False)
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -188,8 +244,12 @@ def test_gpus_ray_counts_but_cuda_cannot_see_fail_in_seconds(tmp_path):
     script = tmp_path / "fake_gpu_cluster.py"
     script.write_text(GPUS_RAY_SEES_CUDA_DOES_NOT)
     started = time.monotonic()
-    result = run_python_file(script, tmp_path, args=["--use-gpu", "--num-workers", "1",
-                                                     "--storage-path", str(tmp_path / "runs")], timeout=120)
+    result = run_python_file(
+        script,
+        tmp_path,
+        args=["--use-gpu", "--num-workers", "1", "--storage-path", str(tmp_path / "runs")],
+        timeout=120,
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 2, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]

@@ -24,9 +24,20 @@ def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path, mo
     monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:CountSyncs")
     monkeypatch.setenv("RAYTRAIN_TEST_COUNT_SYNCS", f"{counts}:{FIRST}:{LAST}")
     # 130 micro-batches per rank; ids recorded, so their path is counted too
-    result = fit(TrainConfig(num_workers=2, epochs=1, dataset="synthetic-tabular", model="mlp", train_size=2080,
-                             val_size=64, batch_size=8, record_sample_ids=True, storage_path=str(tmp_path),
-                             name="syncs"))
+    result = fit(
+        TrainConfig(
+            num_workers=2,
+            epochs=1,
+            dataset="synthetic-tabular",
+            model="mlp",
+            train_size=2080,
+            val_size=64,
+            batch_size=8,
+            record_sample_ids=True,
+            storage_path=str(tmp_path),
+            name="syncs",
+        )
+    )
     assert result.ok, result.summary["error"]
     # in the window: the loss check of micro-batches FIRST+1..LAST, the stop checks after optimizer steps
     # FIRST..LAST-1 (one micro-batch per step); each of them reads one value from the device
@@ -56,7 +67,8 @@ def _blocked_rank(rank: int, store_dir: str, result_file: str) -> None:
         return
     heartbeat_calls = []
     worker_hooks.count_synchronising_calls(
-        lambda name: heartbeat_calls.append(name) if threading.current_thread().name == "heartbeat" else None)
+        lambda name: heartbeat_calls.append(name) if threading.current_thread().name == "heartbeat" else None
+    )
     meter = EpochMeter()
     meter.add(torch.tensor(2.0), 4)
     meter.refresh_loss()  # what the loop does at its loss-check cadence
@@ -78,8 +90,9 @@ def _blocked_rank(rank: int, store_dir: str, result_file: str) -> None:
     in_collective.set()
     dist.all_reduce(torch.ones(1))  # waits for rank 1, which waits for our heartbeats
     during = [p for p in posted if p[4] == "training"]
-    Path(result_file).write_text(json.dumps({"posts": len(during), "last": during[-1] if during else None,
-                                             "heartbeat_calls": heartbeat_calls}))
+    Path(result_file).write_text(
+        json.dumps({"posts": len(during), "last": during[-1] if during else None, "heartbeat_calls": heartbeat_calls})
+    )
     dist.destroy_process_group()
 
 

@@ -116,4 +116,5 @@ def _counting(original, name: str, count):
     def counted(self, *args, **kwargs):
         count(name)
         return original(self, *args, **kwargs)
+
     return counted

@@ -111,8 +111,9 @@ def sweep(prefix: str, *dirs: str) -> None:
                 break
             time.sleep(0.2)
         if pids:
-            log.info("killing Ray processes that ignored TERM on %s: %s", socket.gethostname(),
-                     " ".join(map(str, pids)))
+            log.info(
+                "killing Ray processes that ignored TERM on %s: %s", socket.gethostname(), " ".join(map(str, pids))
+            )
             _signal(pids, signal.SIGKILL)
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
@@ -163,8 +164,9 @@ def node_ip(towards: str | None) -> str:
     if towards and route_source(towards) in mine:
         return route_source(towards)
     try:
-        resolved = sorted({str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)},
-                          key=lambda a: ":" in a)
+        resolved = sorted(
+            {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)}, key=lambda a: ":" in a
+        )
     except OSError:
         resolved = []
     for addr in resolved:
@@ -199,15 +201,27 @@ def free_port() -> int:
 
 # ------------------------------------------------------------------ the node's Ray
 def ray_start_args(plan: JobPlan, role: str, ip: str, tmp: str, gpus: int, cpus: int, agent_port: int) -> list[str]:
-    args = ["start", "--block", "--disable-usage-stats", "--log-style=record", "--log-color=false",
-            f"--node-ip-address={ip}", f"--temp-dir={tmp}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
-            f"--dashboard-agent-listen-port={agent_port}"]
+    args = [
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        "--log-style=record",
+        "--log-color=false",
+        f"--node-ip-address={ip}",
+        f"--temp-dir={tmp}",
+        f"--num-cpus={cpus}",
+        f"--num-gpus={gpus}",
+        f"--dashboard-agent-listen-port={agent_port}",
+    ]
     if os.environ.get("RAY_OBJECT_STORE_MEMORY"):
         args.append(f"--object-store-memory={os.environ['RAY_OBJECT_STORE_MEMORY']}")
     if role == "head":
         args += ["--head", f"--port={plan.ports.gcs}", f"--ray-client-server-port={plan.ports.client}"]
-        args += (["--include-dashboard=true", f"--dashboard-host={ip}", f"--dashboard-port={plan.ports.dashboard}"]
-                 if plan.dashboard else ["--include-dashboard=false"])
+        args += (
+            ["--include-dashboard=true", f"--dashboard-host={ip}", f"--dashboard-port={plan.ports.dashboard}"]
+            if plan.dashboard
+            else ["--include-dashboard=false"]
+        )
     else:
         args.append(f"--address={plan.head_address}")
     return args
@@ -224,6 +238,7 @@ def node_main(argv: list[str]) -> int:
     def stop(code: int):
         def handler(signum, frame):
             raise Stop(code)
+
         return handler
 
     signal.signal(signal.SIGTERM, stop(143))
@@ -245,8 +260,9 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
     os.makedirs(tmp, mode=0o700)
     token = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
     if not os.access(token, os.R_OK):
-        raise LaunchError(f"auth token {token} is not readable on {host}; put RAYTRAIN_JOB_DIR_BASE on storage "
-                          "all nodes share", 1)
+        raise LaunchError(
+            f"auth token {token} is not readable on {host}; put RAYTRAIN_JOB_DIR_BASE on storage all nodes share", 1
+        )
     ip = plan.head_ip if role == "head" else node_ip(plan.head_ip)
     # The dashboard agent's HTTP port defaults to a fixed 52365: the job's own, else any free one.
     agent_port = plan.ports.agent
@@ -267,10 +283,19 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
     if nccl_iface and "NCCL_SOCKET_IFNAME" not in os.environ:
         env["NCCL_SOCKET_IFNAME"] = nccl_iface
     cpus = plan.cpus[index]
-    log.info("ray start (%s) ip=%s cpus=%d gpus=%d temp-dir=%s NCCL_SOCKET_IFNAME=%s", role, ip, cpus, gpus, tmp,
-             env.get("NCCL_SOCKET_IFNAME", "unset"))
-    ray = subprocess.Popen([plan.python, "-m", "ray.scripts.scripts",
-                            *ray_start_args(plan, role, ip, tmp, gpus, cpus, agent_port)], env=env)
+    log.info(
+        "ray start (%s) ip=%s cpus=%d gpus=%d temp-dir=%s NCCL_SOCKET_IFNAME=%s",
+        role,
+        ip,
+        cpus,
+        gpus,
+        tmp,
+        env.get("NCCL_SOCKET_IFNAME", "unset"),
+    )
+    ray = subprocess.Popen(
+        [plan.python, "-m", "ray.scripts.scripts", *ray_start_args(plan, role, ip, tmp, gpus, cpus, agent_port)],
+        env=env,
+    )
     stop_file = Path(plan.job_dir, "stop")
     while ray.poll() is None:
         if stop_file.exists():

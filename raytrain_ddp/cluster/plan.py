@@ -22,7 +22,6 @@ PORT_BASE, PORT_STRIDE, PORT_BLOCKS = 20000, 10, 1000
 NODE_LOCAL_RE = re.compile(r"^/(tmp|var/tmp|dev/shm|local|scratch/local|lscratch|localscratch)(/|$)")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Ports:
     gcs: int
@@ -125,9 +124,11 @@ def gpu_mismatch(node: str, visible: str | None, gpus: int) -> str | None:
     Ray hands each GPU worker one entry of CUDA_VISIBLE_DEVICES: fewer entries than advertised GPUs
     would put two workers on one GPU (or none on some)."""
     if gpus and visible is not None and id_list_count(visible) != gpus:
-        return (f"{node}: Slurm gives this node {gpus} GPU(s) and Ray would advertise {gpus}, but "
-                f"CUDA_VISIBLE_DEVICES={visible!r} lists {id_list_count(visible)}; check the job's --gpus-per-node "
-                "(or RAYTRAIN_GPUS_PER_NODE) against the node's gres.conf")
+        return (
+            f"{node}: Slurm gives this node {gpus} GPU(s) and Ray would advertise {gpus}, but "
+            f"CUDA_VISIBLE_DEVICES={visible!r} lists {id_list_count(visible)}; check the job's --gpus-per-node "
+            "(or RAYTRAIN_GPUS_PER_NODE) against the node's gres.conf"
+        )
     return None
 
 
@@ -224,13 +225,16 @@ def worker_shape(chosen: Mapping, nnodes: int, cluster_gpus: int, min_cpus: int)
             cpus = max(min_cpus - 1, 1)
             extra += ["--cpus-per-worker", str(cpus)]
             if nnodes > 1 and min_cpus < 3:
-                note = (f"note: with {min_cpus} CPU(s) per node Ray may place two workers on one node; "
-                        "use --cpus-per-task=3 or more")
+                note = (
+                    f"note: with {min_cpus} CPU(s) per node Ray may place two workers on one node; "
+                    "use --cpus-per-task=3 or more"
+                )
     return WorkerShape(bool(use_gpu), int(workers), float(cpus), extra, note)
 
 
-def precheck(chosen: Mapping, shape: WorkerShape, nodes: list[str], cpus: list[int], gpus: int,
-             gpus_known: bool) -> None:
+def precheck(
+    chosen: Mapping, shape: WorkerShape, nodes: list[str], cpus: list[int], gpus: int, gpus_known: bool
+) -> None:
     """ConfigError in a second, instead of after Ray's start-up, when the allocation cannot hold the
     requested workers: the trainer's own packing (preflight), applied to what Slurm states per node."""
     from raytrain_ddp.config import TrainConfig
@@ -238,8 +242,14 @@ def precheck(chosen: Mapping, shape: WorkerShape, nodes: list[str], cpus: list[i
 
     if shape.use_gpu and not gpus_known:
         return  # GPUs per node not stated by Slurm: the trainer checks against the live cluster
-    config = TrainConfig(**{**chosen, "use_gpu": shape.use_gpu, "num_workers": shape.num_workers,
-                            "cpus_per_worker": shape.cpus_per_worker})
+    config = TrainConfig(
+        **{
+            **chosen,
+            "use_gpu": shape.use_gpu,
+            "num_workers": shape.num_workers,
+            "cpus_per_worker": shape.cpus_per_worker,
+        }
+    )
     table = [{"node_ip": n, "cpus": float(c), "gpus": float(gpus), "memory_gib": 0.0} for n, c in zip(nodes, cpus)]
     preflight.check_fits(config, table)
 
@@ -294,15 +304,25 @@ def job_dir(env: Mapping[str, str], home: str) -> str:
     return f"{env.get('RAYTRAIN_JOB_DIR_BASE') or f'{home}/.raytrain'}/job-{env['SLURM_JOB_ID']}"
 
 
-def job_plan(env: Mapping[str, str], nodes: list[str], *, head_ip: str, ports: Ports, python: str,
-             home: str, fallback_cpus: int) -> JobPlan:
+def job_plan(
+    env: Mapping[str, str], nodes: list[str], *, head_ip: str, ports: Ports, python: str, home: str, fallback_cpus: int
+) -> JobPlan:
     job_id = int(env["SLURM_JOB_ID"])
     gpus, known = gpus_per_node(env, len(nodes))
     return JobPlan(
-        job_id=job_id, restart_count=int(env.get("SLURM_RESTART_COUNT") or 0), nodes=list(nodes),
-        cpus=cpus_per_node(env, len(nodes), fallback_cpus), gpus=gpus, gpus_known=known,
+        job_id=job_id,
+        restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+        nodes=list(nodes),
+        cpus=cpus_per_node(env, len(nodes), fallback_cpus),
+        gpus=gpus,
+        gpus_known=known,
         step_gpus=gpus_per_node({k: v for k, v in env.items() if k != "RAYTRAIN_GPUS_PER_NODE"}, len(nodes))[0],
         head_ip=head_ip,
-        ports=ports, derived_ports=port_blocks(job_id, 1)[0], tmp_base=env.get("RAYTRAIN_TMPDIR") or "/tmp",
-        job_dir=job_dir(env, home), python=python, dashboard=env.get("RAYTRAIN_DASHBOARD", "1") == "1",
-        module=env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run")
+        ports=ports,
+        derived_ports=port_blocks(job_id, 1)[0],
+        tmp_base=env.get("RAYTRAIN_TMPDIR") or "/tmp",
+        job_dir=job_dir(env, home),
+        python=python,
+        dashboard=env.get("RAYTRAIN_DASHBOARD", "1") == "1",
+        module=env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run",
+    )

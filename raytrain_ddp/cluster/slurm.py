@@ -86,21 +86,24 @@ class Launcher:
         def handler(signum, frame):
             log.info("got %s: shutting down", what)
             raise Stop(code)
+
         return handler
 
     # ---------------------------------------------------------------- the job
     def run(self) -> int:
         env = os.environ
         if not env.get("SLURM_JOB_ID"):
-            raise LaunchError("not inside a Slurm job; submit with: sbatch cluster/start_ray_slurm.sh [trainer args]",
-                              EXIT_BAD_INPUT)
+            raise LaunchError(
+                "not inside a Slurm job; submit with: sbatch cluster/start_ray_slurm.sh [trainer args]", EXIT_BAD_INPUT
+            )
         try:
             chosen = planning.chosen_settings(self.args, env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run")
         except ConfigError as err:
             raise LaunchError(str(err), EXIT_BAD_INPUT) from None
         if "address" in chosen:
-            raise LaunchError("do not pass --address: the script points the trainer at this job's Ray cluster",
-                              EXIT_BAD_INPUT)
+            raise LaunchError(
+                "do not pass --address: the script points the trainer at this job's Ray cluster", EXIT_BAD_INPUT
+            )
         # Before Ray is imported: one fresh token per job, in a file every node reads.
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN_PATH"] = f"{planning.job_dir(env, str(Path.home()))}/auth_token"
@@ -108,29 +111,42 @@ class Launcher:
         try:
             import ray
         except ImportError:
-            raise LaunchError(f"'{sys.executable}' cannot import ray; install the project into that environment",
-                              EXIT_BAD_INPUT) from None
+            raise LaunchError(
+                f"'{sys.executable}' cannot import ray; install the project into that environment", EXIT_BAD_INPUT
+            ) from None
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # compute nodes rarely reach the internet
 
-        listed = subprocess.run(["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")],
-                                capture_output=True, text=True)
+        listed = subprocess.run(
+            ["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")], capture_output=True, text=True
+        )
         nodes = listed.stdout.split()
         if listed.returncode or not nodes:
-            raise LaunchError(f"scontrol show hostnames {env.get('SLURM_JOB_NODELIST', '')!r} failed: "
-                              f"{listed.stderr.strip() or 'no nodes'}", EXIT_BRINGUP)
+            raise LaunchError(
+                f"scontrol show hostnames {env.get('SLURM_JOB_NODELIST', '')!r} failed: "
+                f"{listed.stderr.strip() or 'no nodes'}",
+                EXIT_BRINGUP,
+            )
         try:
             head_ip = head_address(env, nodes)
         except LaunchError as err:
             raise LaunchError(str(err), EXIT_BRINGUP) from None
         job_id = int(env["SLURM_JOB_ID"])
         ports = free_port_block(job_id, nodes[0])
-        plan = self.plan = planning.job_plan(env, nodes, head_ip=head_ip, ports=ports, python=sys.executable,
-                                             home=str(Path.home()), fallback_cpus=os.cpu_count() or 1)
+        plan = self.plan = planning.job_plan(
+            env,
+            nodes,
+            head_ip=head_ip,
+            ports=ports,
+            python=sys.executable,
+            home=str(Path.home()),
+            fallback_cpus=os.cpu_count() or 1,
+        )
         if ports != plan.derived_ports:
             log.info("derived port block %d was busy; using port block %d", plan.derived_ports.gcs, ports.gcs)
 
-        where = planning.run_location(chosen, env.get("SLURM_SUBMIT_DIR") or os.getcwd(), env.get("SLURM_JOB_NAME"),
-                                      job_id)
+        where = planning.run_location(
+            chosen, env.get("SLURM_SUBMIT_DIR") or os.getcwd(), env.get("SLURM_JOB_NAME"), job_id
+        )
         self.name = where.name
         self.args += where.extra_args
         if len(nodes) > 1:
@@ -143,17 +159,36 @@ class Launcher:
                 raise LaunchError(str(err), EXIT_BAD_INPUT) from None
 
         import raytrain_ddp
-        log.info("job %d (restart count %d): %d node(s): %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
-                 job_id, plan.restart_count, len(nodes), " ".join(nodes), plan.head, head_ip, ray.__version__,
-                 sys.executable, Path(raytrain_ddp.__file__).parent)
-        log.info("per node: cpus %s; gpus ~%d (each node re-reads its own allocation)", " ".join(map(str, plan.cpus)),
-                 plan.gpus)
+
+        log.info(
+            "job %d (restart count %d): %d node(s): %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
+            job_id,
+            plan.restart_count,
+            len(nodes),
+            " ".join(nodes),
+            plan.head,
+            head_ip,
+            ray.__version__,
+            sys.executable,
+            Path(raytrain_ddp.__file__).parent,
+        )
+        log.info(
+            "per node: cpus %s; gpus ~%d (each node re-reads its own allocation)",
+            " ".join(map(str, plan.cpus)),
+            plan.gpus,
+        )
         log.info("ports: gcs %d, dashboard %d, client %d, agent %d", *ports.all())
         log.info("run directory: %s/%s", where.storage, where.name)
         if env.get("RAYTRAIN_DRY_RUN") == "1":
             gpu = " --use-gpu" if plan.gpus > 0 else ""
-            log.info("dry run: would run %s -u -m %s --address %s [--num-workers from cluster]%s %s", sys.executable,
-                     plan.module, plan.head_address, gpu, " ".join(self.args))
+            log.info(
+                "dry run: would run %s -u -m %s --address %s [--num-workers from cluster]%s %s",
+                sys.executable,
+                plan.module,
+                plan.head_address,
+                gpu,
+                " ".join(self.args),
+            )
             log.info("dry run: expected workers %d", plan.gpus * len(nodes) if plan.gpus > 0 else len(nodes))
             return 0
         rc = 1
@@ -176,10 +211,16 @@ class Launcher:
         fstype = planning.fstype_of(os.path.realpath(storage), mounts)
         if planning.looks_node_local(storage, fstype):
             for _ in range(3):
-                log.warning("!!!!!! WARNING: --storage-path %s looks node-local (%s), but this job spans %d nodes.",
-                            storage, fstype, nnodes)
-            log.warning("!!!!!! Checkpoints written by other nodes will not be visible on %s; use shared storage.",
-                        self.plan.head)
+                log.warning(
+                    "!!!!!! WARNING: --storage-path %s looks node-local (%s), but this job spans %d nodes.",
+                    storage,
+                    fstype,
+                    nnodes,
+                )
+            log.warning(
+                "!!!!!! Checkpoints written by other nodes will not be visible on %s; use shared storage.",
+                self.plan.head,
+            )
 
     def bring_up_and_train(self, chosen: dict) -> int:
         plan = self.plan
@@ -211,10 +252,16 @@ class Launcher:
             dash = hostport(plan.head_ip, plan.ports.dashboard)
             user = os.environ.get("USER") or os.environ.get("LOGNAME") or "you"
             log.info("Ray dashboard: http://%s", dash)
-            log.info("from your laptop: ssh -N -L 8265:%s %s@%s   then open http://localhost:8265", dash, user,
-                     os.environ.get("SLURM_SUBMIT_HOST", "LOGIN_NODE"))
-            log.info("log in with this job's token: the contents of %s (readable only by you; deleted when the job "
-                     "ends)", os.environ["RAY_AUTH_TOKEN_PATH"])
+            log.info(
+                "from your laptop: ssh -N -L 8265:%s %s@%s   then open http://localhost:8265",
+                dash,
+                user,
+                os.environ.get("SLURM_SUBMIT_HOST", "LOGIN_NODE"),
+            )
+            log.info(
+                "log in with this job's token: the contents of %s (readable only by you; deleted when the job ends)",
+                os.environ["RAY_AUTH_TOKEN_PATH"],
+            )
 
         shape = planning.worker_shape(chosen, len(plan.nodes), cluster_gpus, min(plan.cpus))
         if shape.note:
@@ -231,8 +278,12 @@ class Launcher:
         return rc
 
     def run_dir(self, chosen: dict) -> str:
-        where = planning.run_location(chosen, os.environ.get("SLURM_SUBMIT_DIR") or os.getcwd(),
-                                      os.environ.get("SLURM_JOB_NAME"), self.plan.job_id)
+        where = planning.run_location(
+            chosen,
+            os.environ.get("SLURM_SUBMIT_DIR") or os.getcwd(),
+            os.environ.get("SLURM_JOB_NAME"),
+            self.plan.job_id,
+        )
         return f"{where.storage}/{where.name}"
 
     def start_node(self, index: int) -> None:
@@ -240,13 +291,21 @@ class Launcher:
         plan, node = self.plan, self.plan.nodes[index]
         role = "head" if index == 0 else "worker"
         # --overlap: the cleanup step later shares these nodes; --mem=0: all of the job's memory on the node.
-        cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
-               f"--cpus-per-task={plan.cpus[index]}", "--mem=0", "--kill-on-bad-exit=0", f"--job-name=ray-{role}"]
+        cmd = [
+            "srun",
+            "--overlap",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={node}",
+            f"--cpus-per-task={plan.cpus[index]}",
+            "--mem=0",
+            "--kill-on-bad-exit=0",
+            f"--job-name=ray-{role}",
+        ]
         if plan.step_gpus:
             cmd.append(f"--gpus-per-node={plan.step_gpus}")  # with cgroup device limits, a step without them sees none
         cmd += [sys.executable, "-m", "raytrain_ddp.cluster", "node", plan.job_dir, str(index)]
-        step = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace")
+        step = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         reader = threading.Thread(target=_prefix_lines, args=(step.stdout, f"[{node}] "), daemon=True)
         reader.start()
         self.steps.append(step)
@@ -262,11 +321,15 @@ class Launcher:
             except OSError:
                 pass
             if self.steps[0].poll() is not None:
-                raise LaunchError(self.node_error(0) or f"Ray head on {plan.head} exited during start-up (see the "
-                                  f"[{plan.head}] lines above)", EXIT_BRINGUP)
+                raise LaunchError(
+                    self.node_error(0)
+                    or f"Ray head on {plan.head} exited during start-up (see the [{plan.head}] lines above)",
+                    EXIT_BRINGUP,
+                )
             if time.monotonic() > deadline:
-                raise LaunchError(f"Ray head on {plan.head} did not open {plan.head_address} within {timeout:.0f}s",
-                                  EXIT_BRINGUP)
+                raise LaunchError(
+                    f"Ray head on {plan.head} did not open {plan.head_address} within {timeout:.0f}s", EXIT_BRINGUP
+                )
             time.sleep(0.5)
 
     def node_error(self, index: int) -> str | None:
@@ -292,8 +355,9 @@ class Launcher:
                 break
             except ConfigError as err:
                 if time.monotonic() > deadline:
-                    raise LaunchError(f"cannot connect to the Ray head at {plan.head_address}: {err}",
-                                      EXIT_BRINGUP) from None
+                    raise LaunchError(
+                        f"cannot connect to the Ray head at {plan.head_address}: {err}", EXIT_BRINGUP
+                    ) from None
                 time.sleep(1)
         try:
             while True:
@@ -306,12 +370,19 @@ class Launcher:
                 dead = [i for i, step in enumerate(self.steps) if step.poll() is not None and plan.nodes[i] in missing]
                 if dead or time.monotonic() > deadline:
                     errors = [e for e in map(self.node_error, dead) if e]
-                    why = ("; ".join(errors) if errors else
-                           f"ray start exited on {', '.join(plan.nodes[i] for i in dead)}" if dead else
-                           f"timeout after {timeout:.0f}s")
-                    raise LaunchError(f"only {len(table)}/{want} nodes joined ({why}); missing: "
-                                      f"{', '.join(missing.values())}; the [node] lines above show each node's "
-                                      "ray start output", EXIT_BRINGUP)
+                    why = (
+                        "; ".join(errors)
+                        if errors
+                        else f"ray start exited on {', '.join(plan.nodes[i] for i in dead)}"
+                        if dead
+                        else f"timeout after {timeout:.0f}s"
+                    )
+                    raise LaunchError(
+                        f"only {len(table)}/{want} nodes joined ({why}); missing: "
+                        f"{', '.join(missing.values())}; the [node] lines above show each node's "
+                        "ray start output",
+                        EXIT_BRINGUP,
+                    )
                 time.sleep(1)
         finally:
             ray.shutdown()
@@ -360,18 +431,37 @@ class Launcher:
             # Belt and braces: sweep every node for this job's tagged processes (fails harmlessly when
             # Slurm is already tearing the job down).
             try:
-                subprocess.run(["srun", "--overlap", f"--nodes={len(plan.nodes)}", "--ntasks-per-node=1",
-                                "--cpus-per-task=1", "--mem=0", sys.executable, "-m", "raytrain_ddp.cluster", "sweep",
-                                str(plan.job_id), plan.tmp_base], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               timeout=60)
+                subprocess.run(
+                    [
+                        "srun",
+                        "--overlap",
+                        f"--nodes={len(plan.nodes)}",
+                        "--ntasks-per-node=1",
+                        "--cpus-per-task=1",
+                        "--mem=0",
+                        sys.executable,
+                        "-m",
+                        "raytrain_ddp.cluster",
+                        "sweep",
+                        str(plan.job_id),
+                        plan.tmp_base,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=60,
+                )
             except (OSError, subprocess.TimeoutExpired):
                 pass
         prefix = f"rt-{plan.job_id}-"
         sweep(prefix, *map(str, Path(plan.tmp_base).glob(f"rt{plan.job_id}.[0-9]*")), plan.job_dir)
         left = tagged_pids(prefix)
         if left:
-            log.error("some Ray processes of job %d survived cleanup on %s: %s", plan.job_id, plan.head,
-                      " ".join(map(str, left)))
+            log.error(
+                "some Ray processes of job %d survived cleanup on %s: %s",
+                plan.job_id,
+                plan.head,
+                " ".join(map(str, left)),
+            )
         else:
             log.info("cleanup done: no Ray process of job %d left on %s; exit code %d", plan.job_id, plan.head, rc)
 
@@ -379,8 +469,12 @@ class Launcher:
         """Only once Ray is stopped on every node: requeueing ends this job at once."""
         plan = self.plan
         if subprocess.run(["scontrol", "requeue", str(plan.job_id)]).returncode == 0:
-            log.info("requeued job %d (restart %d): it resumes run %s from its checkpoint", plan.job_id,
-                     plan.restart_count + 1, self.name)
+            log.info(
+                "requeued job %d (restart %d): it resumes run %s from its checkpoint",
+                plan.job_id,
+                plan.restart_count + 1,
+                self.name,
+            )
             return True
         log.error("scontrol requeue %d failed; submit the same command again to resume run %s", plan.job_id, self.name)
         return False

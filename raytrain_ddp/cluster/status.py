@@ -16,12 +16,15 @@ from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m raytrain_ddp.cluster",
-                                description="Look at the Ray cluster a training run would use.")
+    parser = OneLineErrorParser(
+        prog="python -m raytrain_ddp.cluster", description="Look at the Ray cluster a training run would use."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="per-node CPUs, GPUs, memory and how many workers fit")
-    status.add_argument("--address", help="Ray cluster, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the "
-                                          "cluster started on this machine)")
+    status.add_argument(
+        "--address",
+        help="Ray cluster, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster started on this machine)",
+    )
     return parser
 
 
@@ -29,15 +32,37 @@ def status_table(nodes: list[dict]) -> str:
     from raytrain_ddp.driver import preflight
 
     cpu_shape, gpu_shape = TrainConfig(), TrainConfig(use_gpu=True)
-    rows = [("node", "CPUs", "GPUs", "memory GiB", f"workers ({cpu_shape.cpus_per_worker:g} CPU)",
-             f"GPU workers ({gpu_shape.cpus_per_worker:g} CPU + 1 GPU)")]
+    rows = [
+        (
+            "node",
+            "CPUs",
+            "GPUs",
+            "memory GiB",
+            f"workers ({cpu_shape.cpus_per_worker:g} CPU)",
+            f"GPU workers ({gpu_shape.cpus_per_worker:g} CPU + 1 GPU)",
+        )
+    ]
     for node in nodes:
-        rows.append((node["node_ip"], f"{node['cpus']:g}", f"{node['gpus']:g}", f"{node['memory_gib']:.1f}",
-                     str(preflight.workers_that_fit(node, cpu_shape)), str(preflight.workers_that_fit(node, gpu_shape))))
-    rows.append(("total", f"{sum(n['cpus'] for n in nodes):g}", f"{sum(n['gpus'] for n in nodes):g}",
-                 f"{sum(n['memory_gib'] for n in nodes):.1f}",
-                 f"{preflight.most_workers(cpu_shape, nodes)} (1 CPU left for data loading)",
-                 str(preflight.most_workers(gpu_shape, nodes))))
+        rows.append(
+            (
+                node["node_ip"],
+                f"{node['cpus']:g}",
+                f"{node['gpus']:g}",
+                f"{node['memory_gib']:.1f}",
+                str(preflight.workers_that_fit(node, cpu_shape)),
+                str(preflight.workers_that_fit(node, gpu_shape)),
+            )
+        )
+    rows.append(
+        (
+            "total",
+            f"{sum(n['cpus'] for n in nodes):g}",
+            f"{sum(n['gpus'] for n in nodes):g}",
+            f"{sum(n['memory_gib'] for n in nodes):.1f}",
+            f"{preflight.most_workers(cpu_shape, nodes)} (1 CPU left for data loading)",
+            str(preflight.most_workers(gpu_shape, nodes)),
+        )
+    )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
@@ -45,8 +70,9 @@ def status_table(nodes: list[dict]) -> str:
 def status(address: str | None) -> str:
     from raytrain_ddp.driver import preflight
 
-    preflight.init_ray(address or os.environ.get("RAY_ADDRESS") or "auto",
-                       logging_level=logging.ERROR, log_to_driver=False)
+    preflight.init_ray(
+        address or os.environ.get("RAY_ADDRESS") or "auto", logging_level=logging.ERROR, log_to_driver=False
+    )
     nodes = preflight.node_table()
     return f"Ray cluster: {len(nodes)} alive node(s)\n{status_table(nodes)}"
 
@@ -58,4 +84,3 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return bad_input(err)
     return 0
-

@@ -31,8 +31,9 @@ MAX_CLASSES_SHOWN = 20
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m raytrain_ddp.data", description=__doc__.split("\n")[0],
-                                     allow_abbrev=False)
+    parser = OneLineErrorParser(
+        prog="python -m raytrain_ddp.data", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     convert = commands.add_parser("prepare", help="convert a source into a Parquet dataset", allow_abbrev=False)

@@ -115,16 +115,21 @@ def augment_images(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     _, _, height, width = images.shape
     padded = np.pad(images, ((0, 0), (0, 0), (CROP_PADDING,) * 2, (CROP_PADDING,) * 2), mode="reflect")
     out = np.empty_like(images)
-    for i, (top, left, flip) in enumerate(zip(rng.integers(0, 2 * CROP_PADDING + 1, len(images)),
-                                              rng.integers(0, 2 * CROP_PADDING + 1, len(images)),
-                                              rng.random(len(images)) < 0.5)):
-        crop = padded[i, :, top:top + height, left:left + width]
+    for i, (top, left, flip) in enumerate(
+        zip(
+            rng.integers(0, 2 * CROP_PADDING + 1, len(images)),
+            rng.integers(0, 2 * CROP_PADDING + 1, len(images)),
+            rng.random(len(images)) < 0.5,
+        )
+    ):
+        crop = padded[i, :, top : top + height, left : left + width]
         out[i] = crop[:, :, ::-1] if flip else crop
     return out
 
 
-def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: int | None = None,
-                    normalise: bool = True) -> dict[str, np.ndarray]:
+def to_model_inputs(
+    rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: int | None = None, normalise: bool = True
+) -> dict[str, np.ndarray]:
     """Rows as stored -> ``{"id", "x", "y"}`` as the model takes them.
 
     `augment_seed` (train only) turns on random crop and flip, drawn from the
@@ -143,8 +148,11 @@ def to_model_inputs(rows: dict[str, np.ndarray], spec: DataSpec, augment_seed: i
             rng = np.random.default_rng([augment_seed, int(rows["id"][0]) if "id" in rows else 0])
             images = augment_images(images, rng)
         if not normalise:
-            return {"id": rows["id"].astype(np.int64) if "id" in rows else np.full(len(images), -1),
-                    "x": images, "y": rows[spec.label_column].astype(np.int64)}
+            return {
+                "id": rows["id"].astype(np.int64) if "id" in rows else np.full(len(images), -1),
+                "x": images,
+                "y": rows[spec.label_column].astype(np.int64),
+            }
         scale = np.asarray(spec.std, dtype=np.float32).reshape(1, -1, 1, 1)
         shift = np.asarray(spec.mean, dtype=np.float32).reshape(1, -1, 1, 1)
         x: np.ndarray = (images.astype(np.float32) / 255.0 - shift) / scale
@@ -166,8 +174,9 @@ def normalise_images(pixels: torch.Tensor, spec: DataSpec) -> torch.Tensor:
 @functools.cache
 def _normalisation(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """The constants, made once per device: a torch.tensor(..., device=cuda) is a copy the host waits for."""
-    return tuple(torch.tensor(values, dtype=torch.float32, device=device).reshape(1, -1, 1, 1)
-                 for values in (mean, std))
+    return tuple(
+        torch.tensor(values, dtype=torch.float32, device=device).reshape(1, -1, 1, 1) for values in (mean, std)
+    )
 
 
 def padding_batch(spec: DataSpec, device) -> dict:
@@ -180,12 +189,27 @@ def padding_batch(spec: DataSpec, device) -> dict:
 # ---------------------------------------------------------------- data specs
 def synthetic_spec(config: TrainConfig) -> DataSpec:
     if config.dataset == "synthetic":
-        return DataSpec("image", synthetic.IMAGE_SHAPE, synthetic.NUM_CLASSES, config.train_size,
-                        config.val_size, mean=(0.5,) * 3, std=(0.25,) * 3)
+        return DataSpec(
+            "image",
+            synthetic.IMAGE_SHAPE,
+            synthetic.NUM_CLASSES,
+            config.train_size,
+            config.val_size,
+            mean=(0.5,) * 3,
+            std=(0.25,) * 3,
+        )
     if config.dataset == "synthetic-tokens":
-        return DataSpec("tokens", (synthetic.SEQUENCE_LENGTH,), synthetic.VOCAB_SIZE, config.train_size, config.val_size)
-    return DataSpec("tabular", (len(synthetic.FEATURE_NAMES),), synthetic.NUM_CLASSES, config.train_size,
-                    config.val_size, feature_columns=synthetic.FEATURE_NAMES)
+        return DataSpec(
+            "tokens", (synthetic.SEQUENCE_LENGTH,), synthetic.VOCAB_SIZE, config.train_size, config.val_size
+        )
+    return DataSpec(
+        "tabular",
+        (len(synthetic.FEATURE_NAMES),),
+        synthetic.NUM_CLASSES,
+        config.train_size,
+        config.val_size,
+        feature_columns=synthetic.FEATURE_NAMES,
+    )
 
 
 @dataclass(frozen=True)
@@ -202,19 +226,31 @@ def plugin_plan(config: TrainConfig, dataset_fn, label: str) -> DataPlan:
     """Call a dataset plug-in (Ray is up) and check what it returned; raises ConfigError."""
     flag = f"--dataset {label}"
     datasets = call_plugin(dataset_fn, "--dataset", label, config)
-    if not (isinstance(datasets, dict) and set(datasets) >= {"train", "val"}
-            and all(isinstance(datasets[name], ray.data.Dataset) for name in ("train", "val"))):
-        raise ConfigError(f"{flag} returned {type(datasets).__name__}, expected "
-                          "{'train': ray.data.Dataset, 'val': ray.data.Dataset}")
+    if not (
+        isinstance(datasets, dict)
+        and set(datasets) >= {"train", "val"}
+        and all(isinstance(datasets[name], ray.data.Dataset) for name in ("train", "val"))
+    ):
+        raise ConfigError(
+            f"{flag} returned {type(datasets).__name__}, expected "
+            "{'train': ray.data.Dataset, 'val': ray.data.Dataset}"
+        )
     sample = call_plugin(lambda: datasets["train"].take_batch(256, batch_format="numpy"), "--dataset", label)
     missing = {"x", "y"} - set(sample)
     if missing:
-        raise ConfigError(f"{flag}: training rows lack column(s) {', '.join(sorted(missing))}; "
-                          f"they hold {', '.join(sorted(sample))}")
+        raise ConfigError(
+            f"{flag}: training rows lack column(s) {', '.join(sorted(missing))}; they hold {', '.join(sorted(sample))}"
+        )
     labels = sample["y"]
     num_classes = int(datasets["train"].max("y")) + 1 if labels.ndim == 1 else int(labels.max()) + 1
-    spec = DataSpec("custom", tuple(sample["x"].shape[1:]), num_classes, datasets["train"].count(),
-                    datasets["val"].count(), input_dtype=str(sample["x"].dtype))
+    spec = DataSpec(
+        "custom",
+        tuple(sample["x"].shape[1:]),
+        num_classes,
+        datasets["train"].count(),
+        datasets["val"].count(),
+        input_dtype=str(sample["x"].dtype),
+    )
     return DataPlan(spec, plugin_datasets={"train": datasets["train"], "val": datasets["val"]})
 
 
@@ -229,25 +265,48 @@ def plan_data(config: TrainConfig) -> DataPlan:
 def parquet_spec(config: TrainConfig) -> tuple[DataSpec, list[str], list[str]]:
     """Validate the Parquet data on the driver (footers and a sample); raises ConfigError."""
     feature_columns = [c.strip() for c in config.feature_columns.split(",")] if config.feature_columns else None
-    info = check_dataset(config.data or config.train_data.split(","),
-                         None if config.data else config.val_data.split(","),
-                         image_column=config.image_column, label_column=config.label_column,
-                         feature_columns=feature_columns)
+    info = check_dataset(
+        config.data or config.train_data.split(","),
+        None if config.data else config.val_data.split(","),
+        image_column=config.image_column,
+        label_column=config.label_column,
+        feature_columns=feature_columns,
+    )
     if not info.val_paths:
         raise ConfigError(f"no validation data found for {info.path}: give --val-data or a val/ split")
     if info.kind == "image":
         mean, std = info.mean, info.std
         if not mean:
-            log.warning("No normalisation statistics in %s: using mean 0.5, std 0.25 per channel "
-                        "(`python -m raytrain_ddp.data prepare` records them)", info.path)
+            log.warning(
+                "No normalisation statistics in %s: using mean 0.5, std 0.25 per channel "
+                "(`python -m raytrain_ddp.data prepare` records them)",
+                info.path,
+            )
             mean, std = [0.5] * info.image_shape[0], [0.25] * info.image_shape[0]
-        spec = DataSpec("image", tuple(info.image_shape), info.num_classes, info.rows["train"], info.rows["val"],
-                        mean=tuple(mean), std=tuple(std), image_column=config.image_column,
-                        label_column=config.label_column, encoding=info.encoding)
+        spec = DataSpec(
+            "image",
+            tuple(info.image_shape),
+            info.num_classes,
+            info.rows["train"],
+            info.rows["val"],
+            mean=tuple(mean),
+            std=tuple(std),
+            image_column=config.image_column,
+            label_column=config.label_column,
+            encoding=info.encoding,
+        )
     else:
-        spec = DataSpec("tabular", (len(info.feature_columns),), info.num_classes, info.rows["train"],
-                        info.rows["val"], mean=tuple(info.mean or ()), std=tuple(info.std or ()),
-                        label_column=config.label_column, feature_columns=tuple(info.feature_columns))
+        spec = DataSpec(
+            "tabular",
+            (len(info.feature_columns),),
+            info.num_classes,
+            info.rows["train"],
+            info.rows["val"],
+            mean=tuple(info.mean or ()),
+            std=tuple(info.std or ()),
+            label_column=config.label_column,
+            feature_columns=tuple(info.feature_columns),
+        )
     return spec, info.train_paths, info.val_paths
 
 
@@ -311,8 +370,9 @@ def _read_piece(source: SplitSource, unit: int, start: int, stop: int) -> dict[s
 TaskPiece = tuple[int, int, int, int | None]
 
 
-def _task_inputs(batch: dict[str, np.ndarray], source: SplitSource, tasks: list[list[TaskPiece]],
-                 normalise: bool) -> Iterator[dict[str, np.ndarray]]:
+def _task_inputs(
+    batch: dict[str, np.ndarray], source: SplitSource, tasks: list[list[TaskPiece]], normalise: bool
+) -> Iterator[dict[str, np.ndarray]]:
     """map_batches over task numbers: the task's pieces' model inputs, in order, transformed a slice at a time."""
     for unit, start, stop, augment_seed in tasks[int(batch["id"][0])]:
         rows = _read_piece(source, unit, start, stop)
@@ -320,8 +380,12 @@ def _task_inputs(batch: dict[str, np.ndarray], source: SplitSource, tasks: list[
             yield rows
             continue
         for at in range(0, stop - start, TRANSFORM_ROWS):
-            yield to_model_inputs({name: values[at:at + TRANSFORM_ROWS] for name, values in rows.items()},
-                                  source.spec, augment_seed, normalise)
+            yield to_model_inputs(
+                {name: values[at : at + TRANSFORM_ROWS] for name, values in rows.items()},
+                source.spec,
+                augment_seed,
+                normalise,
+            )
 
 
 def _tasks_dataset(source: SplitSource, tasks: list[list[TaskPiece]], normalise: bool = True) -> ray.data.Dataset:
@@ -329,8 +393,11 @@ def _tasks_dataset(source: SplitSource, tasks: list[list[TaskPiece]], normalise:
     # from_items, not range: its blocks are made here, so each task reads and transforms in one go
     numbers = [{"id": number} for number in range(len(tasks))]
     return ray.data.from_items(numbers, override_num_blocks=max(1, len(tasks))).map_batches(
-        _task_inputs, batch_size=1, batch_format="numpy",
-        fn_kwargs={"source": source, "tasks": tasks, "normalise": normalise})
+        _task_inputs,
+        batch_size=1,
+        batch_format="numpy",
+        fn_kwargs={"source": source, "tasks": tasks, "normalise": normalise},
+    )
 
 
 def _pieces(unit_rows: Sequence[int], order: Iterable[int], first: int, last: int) -> list[tuple[int, int, int]]:
@@ -344,8 +411,9 @@ def _pieces(unit_rows: Sequence[int], order: Iterable[int], first: int, last: in
     return pieces
 
 
-def epoch_pieces(unit_rows: Sequence[int], seed: int, epoch: int, rank: int,
-                 world_size: int) -> list[tuple[int, int, int]]:
+def epoch_pieces(
+    unit_rows: Sequence[int], seed: int, epoch: int, rank: int, world_size: int
+) -> list[tuple[int, int, int]]:
     """Rank's train pieces of an epoch, in order: rows [rank * n, (rank + 1) * n) of the units in the
     order drawn from (seed, epoch), n = all rows // world_size."""
     per_rank = sum(unit_rows) // world_size
@@ -397,8 +465,10 @@ class _TrainStream:
             if pieces and len(pieces) + len(source.unit_rows) > MAX_STREAM_PIECES:
                 break  # the rest in a later stream: the task list stays small
             augment_seed = _seed_of(config.seed, epoch) if source.augments else None
-            pieces += [(*piece, augment_seed) for piece in
-                       epoch_pieces(source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)]
+            pieces += [
+                (*piece, augment_seed)
+                for piece in epoch_pieces(source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
+            ]
             self.last = epoch
         # images cross the object store as uint8 and are normalised by the consumer (DeviceFeed)
         dataset = _tasks_dataset(source, _group_pieces(pieces, _task_rows(source.spec)), normalise=False)
@@ -419,7 +489,7 @@ class _TrainStream:
                     break
                 continue
             taken = min(rows, len(self._block["y"]) - self._offset)
-            parts.append({name: values[self._offset:self._offset + taken] for name, values in self._block.items()})
+            parts.append({name: values[self._offset : self._offset + taken] for name, values in self._block.items()})
             self._offset += taken
             rows -= taken
         if len(parts) == 1:
@@ -472,7 +542,7 @@ def _window_shuffled(read, batch_size: int, window: int, seed: int) -> Iterator[
             break
     order = rng.permutation(size)
     for at in range(0, size, batch_size):
-        yield {name: values[order[at:at + batch_size]] for name, values in buffer.items()}
+        yield {name: values[order[at : at + batch_size]] for name, values in buffer.items()}
 
 
 @dataclass
@@ -541,8 +611,10 @@ class DeviceFeed:
         """(the batch with its tensors on the device, still arriving; what `receive` waits for)."""
         stream = self._copy_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            moved = {name: self._copy(values) if name != "id" and isinstance(values, torch.Tensor) else values
-                     for name, values in batch.items()}
+            moved = {
+                name: self._copy(values) if name != "id" and isinstance(values, torch.Tensor) else values
+                for name, values in batch.items()
+            }
             if moved["x"].dtype == torch.uint8:  # images, normalised where the batch is used
                 moved["x"] = normalise_images(moved["x"], self.spec)
             return moved, stream.record_event() if stream is not None else None
@@ -563,25 +635,29 @@ class DeviceFeed:
         return values.to(self.device, non_blocking=True)
 
 
-def _in_memory_batches(source: SplitSource, pieces: list[tuple[int, int, int]], batch_size: int,
-                       shuffle_seed: int) -> Iterator[dict[str, np.ndarray]]:
+def _in_memory_batches(
+    source: SplitSource, pieces: list[tuple[int, int, int]], batch_size: int, shuffle_seed: int
+) -> Iterator[dict[str, np.ndarray]]:
     """Built-in rows are model inputs already: the rank takes its pieces from the object store, in this
     process (no Ray Data tasks, nothing to decode), and shuffles all of them."""
     parts = [_read_piece(source, *piece) for piece in pieces]
     rows = {name: np.concatenate([part[name] for part in parts]) for name in ("id", "x", "y")}
     order = np.random.default_rng(shuffle_seed).permutation(len(rows["y"]))
     for at in range(0, len(order), batch_size):
-        taken = order[at:at + batch_size]
+        taken = order[at : at + batch_size]
         yield {name: values[taken] for name, values in rows.items()}
 
 
 def _built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> SplitSource:
     """Chunks generated and normalised once, here, into the object store (a task per chunk would
     start a process each, on the cores the worker group is starting on)."""
-    pieces = [ids[at:at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
+    pieces = [ids[at : at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
     generate = synthetic.GENERATORS[config.dataset]
-    return SplitSource(spec, tuple(len(piece) for piece in pieces),
-                       chunks=tuple(ray.put(to_model_inputs(generate(piece, config.seed), spec)) for piece in pieces))
+    return SplitSource(
+        spec,
+        tuple(len(piece) for piece in pieces),
+        chunks=tuple(ray.put(to_model_inputs(generate(piece, config.seed), spec)) for piece in pieces),
+    )
 
 
 def _parquet_source(spec: DataSpec, uris: Sequence[str]) -> SplitSource:
@@ -608,12 +684,20 @@ def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, SplitSource
     """
     if plan.plugin_datasets:
         shuffle_seed = RandomSeedConfig(seed=config.seed, reseed_after_execution=True)
-        return {"train": plan.plugin_datasets["train"].random_shuffle(seed=shuffle_seed),
-                "val": plan.plugin_datasets["val"]}
+        return {
+            "train": plan.plugin_datasets["train"].random_shuffle(seed=shuffle_seed),
+            "val": plan.plugin_datasets["val"],
+        }
     if plan.train_paths:
-        return {"train": _parquet_source(plan.spec, plan.train_paths), "val": _parquet_source(plan.spec, plan.val_paths)}
+        return {
+            "train": _parquet_source(plan.spec, plan.train_paths),
+            "val": _parquet_source(plan.spec, plan.val_paths),
+        }
     train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
-    return {"train": _built_in_source(config, plan.spec, train_ids), "val": _built_in_source(config, plan.spec, val_ids)}
+    return {
+        "train": _built_in_source(config, plan.spec, train_ids),
+        "val": _built_in_source(config, plan.spec, val_ids),
+    }
 
 
 class ShardingDataConfig(DataConfig):

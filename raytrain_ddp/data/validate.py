@@ -379,9 +379,7 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def _check_image_shapes(
-    reports: Sequence[_FileReport], info: DatasetInfo | None
-) -> tuple[tuple[int, ...], str | None]:
+def _check_image_shapes(reports: Sequence[_FileReport], info: DatasetInfo | None) -> tuple[tuple[int, ...], str | None]:
     """One fixed image shape across files (sampled), matching the metadata if any."""
     sampled = [r for r in reports if r.image_shape is not None]
     first = sampled[0]

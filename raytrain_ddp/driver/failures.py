@@ -18,14 +18,32 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
-DETERMINISTIC_TYPES = (FloatingPointError, ValueError, TypeError, KeyError, IndexError, AttributeError, ImportError,
-                       NotImplementedError, ZeroDivisionError, AssertionError, pa.ArrowException)
+DETERMINISTIC_TYPES = (
+    FloatingPointError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    ImportError,
+    NotImplementedError,
+    ZeroDivisionError,
+    AssertionError,
+    pa.ArrowException,
+)
 # torch raises a model/data mismatch as a bare RuntimeError (as it does collective and CUDA errors): by its words.
-SHAPE_MISMATCH = re.compile(r"shapes cannot be multiplied|size mismatch|must match the size|Expected input batch_size"
-                            r"|expected input\[.*\] to have|Given groups=|Target .* is out of bounds")
+SHAPE_MISMATCH = re.compile(
+    r"shapes cannot be multiplied|size mismatch|must match the size|Expected input batch_size"
+    r"|expected input\[.*\] to have|Given groups=|Target .* is out of bounds"
+)
 # The process, its node or its memory went away: a new attempt may well succeed.
-PROCESS_LOST_TYPES = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
-                      ray.exceptions.OutOfMemoryError, ray.exceptions.ObjectLostError)
+PROCESS_LOST_TYPES = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.OutOfMemoryError,
+    ray.exceptions.ObjectLostError,
+)
 
 
 def _causes(error: BaseException):
@@ -41,8 +59,10 @@ def is_deterministic(error: BaseException) -> bool:
     causes = list(_causes(error))
     if any(isinstance(c, PROCESS_LOST_TYPES) for c in causes):
         return False
-    return any(isinstance(c, DETERMINISTIC_TYPES) or (isinstance(c, RuntimeError) and SHAPE_MISMATCH.search(str(c)))
-               for c in causes)
+    return any(
+        isinstance(c, DETERMINISTIC_TYPES) or (isinstance(c, RuntimeError) and SHAPE_MISMATCH.search(str(c)))
+        for c in causes
+    )
 
 
 class NoRetryOfDeterministicFailures(DefaultFailurePolicy):

@@ -100,9 +100,12 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
     if not ray.is_initialized():
         address = config.address or os.environ.get("RAY_ADDRESS")
         quiet = logging.INFO if config.verbose else logging.ERROR
-        options = dict(logging_level=quiet, log_to_driver=config.verbose,
-                       runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}},
-                       job_config=ray.job_config.JobConfig(metadata={"job_name": config.name}))  # Jobs page
+        options = dict(
+            logging_level=quiet,
+            log_to_driver=config.verbose,
+            runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}},
+            job_config=ray.job_config.JobConfig(metadata={"job_name": config.name}),
+        )  # Jobs page
         if address:
             context = preflight.init_ray(address, **options)
         else:
@@ -128,18 +131,40 @@ def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[
         log.info("Ray dashboard: %s%s", dashboard_url, dashboard.login_hint())
     device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
     elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
-    log.info("Training %s on %s with %d workers%s x %s, %s, %s, %d epochs", config.model,
-             config.data or config.train_data or config.dataset, workers, elastic, device,
-             config.strategy.upper(), config.precision, config.epochs)
+    log.info(
+        "Training %s on %s with %d workers%s x %s, %s, %s, %d epochs",
+        config.model,
+        config.data or config.train_data or config.dataset,
+        workers,
+        elastic,
+        device,
+        config.strategy.upper(),
+        config.precision,
+        config.epochs,
+    )
     if workers < config.num_workers:
-        log.warning("Only %d of the %d workers asked for fit the cluster: starting with %d (--min-workers %d)",
-                    workers, config.num_workers, workers, config.min_workers)
+        log.warning(
+            "Only %d of the %d workers asked for fit the cluster: starting with %d (--min-workers %d)",
+            workers,
+            config.num_workers,
+            workers,
+            config.min_workers,
+        )
     accumulation = f" x {config.grad_accum} micro-batches" if config.grad_accum > 1 else ""
-    log.info("Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
-             config.batch_size, accumulation, workers, config.global_batch_for(workers))
+    log.info(
+        "Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
+        config.batch_size,
+        accumulation,
+        workers,
+        config.global_batch_for(workers),
+    )
     if config.scale_lr:
-        log.info("Learning rate scaled linearly with the global batch: %g x %d = %g", config.lr,
-                 workers * config.grad_accum, config.lr_for(workers))
+        log.info(
+            "Learning rate scaled linearly with the global batch: %g x %d = %g",
+            config.lr,
+            workers * config.grad_accum,
+            config.lr_for(workers),
+        )
     log.info("Run directory: %s", config.run_dir)
 
 
@@ -149,10 +174,16 @@ def _prepare_run_dir(config: TrainConfig) -> Path:
     finished = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     if finished.get("status") == "finished":
         if finished["epochs_completed"] >= config.epochs:
-            raise ConfigError(f"run {config.name!r} already finished in {run_dir}; choose a new --name to train "
-                              f"again, or ask for more than {finished['epochs_completed']} --epochs to continue it")
-        log.info("Continuing finished run %s from epoch %d to %d", config.name, finished["epochs_completed"] + 1,
-                 config.epochs)
+            raise ConfigError(
+                f"run {config.name!r} already finished in {run_dir}; choose a new --name to train "
+                f"again, or ask for more than {finished['epochs_completed']} --epochs to continue it"
+            )
+        log.info(
+            "Continuing finished run %s from epoch %d to %d",
+            config.name,
+            finished["epochs_completed"] + 1,
+            config.epochs,
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(config))
     return run_dir
@@ -181,15 +212,16 @@ def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: d
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
     return Trainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor,
-                           "plugins": plugins},
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=config.use_gpu,
-                                     resources_per_worker={"CPU": config.cpus_per_worker}),
+        train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor, "plugins": plugins},
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=config.use_gpu, resources_per_worker={"CPU": config.cpus_per_worker}
+        ),
         run_config=RunConfig(
-            name=config.name, storage_path=config.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=config.num_to_keep,
-                                               checkpoint_score_attribute="val_accuracy",
-                                               checkpoint_score_order="max"),
+            name=config.name,
+            storage_path=config.storage_path,
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=config.num_to_keep, checkpoint_score_attribute="val_accuracy", checkpoint_score_order="max"
+            ),
             failure_config=FailureConfig(max_failures=config.max_failures, controller_failure_limit=placement_tries),
         ),
         torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
@@ -203,17 +235,24 @@ def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn
 
     Python API callables are recorded in the config by name, for the run directory's config.toml.
     """
-    paths = [(flag, path) for flag, path in (("--model", config.model), ("--dataset", config.dataset),
-                                               ("--loss", config.loss)) if path and is_import_path(path)]
+    paths = [
+        (flag, path)
+        for flag, path in (("--model", config.model), ("--dataset", config.dataset), ("--loss", config.loss))
+        if path and is_import_path(path)
+    ]
     loaded = {flag: load_object(path, flag) for flag, path in paths}
     hooks, hooks_roots = hooks_from_environment()
     for field_name, fn in (("model", model_fn), ("dataset", dataset_fn), ("loss", loss_fn)):
         if fn is not None:
             setattr(config, field_name, describe(fn))
-    return {"import_roots": sorted({root for _, path in paths if (root := import_root(path))} | set(hooks_roots)),
-            "hooks": hooks,
-            "model_fn": model_fn, "loss_fn": loss_fn,
-            "dataset_fn": dataset_fn or loaded.get("--dataset"), "dataset_label": repr(config.dataset)}
+    return {
+        "import_roots": sorted({root for _, path in paths if (root := import_root(path))} | set(hooks_roots)),
+        "hooks": hooks,
+        "model_fn": model_fn,
+        "loss_fn": loss_fn,
+        "dataset_fn": dataset_fn or loaded.get("--dataset"),
+        "dataset_label": repr(config.dataset),
+    }
 
 
 def check_model_builds(config: TrainConfig, plan: DataPlan, model_fn) -> None:
@@ -228,8 +267,10 @@ def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> dict | None:
     """The model builds for this data, and --resume-from was made for both; returns --resume-from's state."""
     if plan.spec.train_rows < config.num_workers:
         where = "the training data" if config.uses_parquet or plan.spec.kind == "custom" else "--train-size"
-        raise ConfigError(f"{where} holds {plan.spec.train_rows} training rows, fewer than --num-workers "
-                          f"{config.num_workers}: every worker needs at least one")
+        raise ConfigError(
+            f"{where} holds {plan.spec.train_rows} training rows, fewer than --num-workers "
+            f"{config.num_workers}: every worker needs at least one"
+        )
     check_model_builds(config, plan, model_fn)
     return run_checkpoints.check_resume_from(config, plan.spec) if config.resume_from else None
 
@@ -287,18 +328,31 @@ def _choose_start(config: TrainConfig, run_dir: Path, start_state: dict | None) 
         run_checkpoints.seed_new_run(config, start_state)
 
 
-def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: str | None, nodes: list[dict],
-           start_workers: int, started: float, plugins: dict, stop_signal: StopSignal) -> FitResult:
+def _train(
+    config: TrainConfig,
+    plan: DataPlan,
+    run_dir: Path,
+    dashboard_url: str | None,
+    nodes: list[dict],
+    start_workers: int,
+    started: float,
+    plugins: dict,
+    stop_signal: StopSignal,
+) -> FitResult:
     _describe_start(config, dashboard_url, nodes, start_workers)
 
     datasets = build_datasets(config, plan)
     monitor = start_monitor()
-    sinks = ([TensorBoardLog(run_dir)] if config.tensorboard else []) + \
-        ([MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else [])
+    sinks = ([TensorBoardLog(run_dir)] if config.tensorboard else []) + (
+        [MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else []
+    )
     recorder = RunRecorder(run_dir, config, plan.spec.train_rows, start_workers, sinks)
     if recorder.epochs:
-        log.info("Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
-                 config.name, ", ".join(map(str, sorted(recorder.epochs))))
+        log.info(
+            "Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
+            config.name,
+            ", ".join(map(str, sorted(recorder.epochs))),
+        )
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(monitor, recorder, stop, config, NodeWatch(nodes)), daemon=True)
     watcher.start()
@@ -331,11 +385,20 @@ def _train(config: TrainConfig, plan: DataPlan, run_dir: Path, dashboard_url: st
     if error:
         log.error("Training failed: %s", error)
     elif summary["status"] == "stopped":
-        log.warning("Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
-                    stop_reason, summary["epochs_completed"], config.epochs, summary["resume_checkpoint"])
+        log.warning(
+            "Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
+            stop_reason,
+            summary["epochs_completed"],
+            config.epochs,
+            summary["resume_checkpoint"],
+        )
     else:
-        log.info("Finished %d epochs in %.0fs; best checkpoint: %s", summary["epochs_completed"],
-                 summary["seconds"], summary["best_checkpoint"])
+        log.info(
+            "Finished %d epochs in %.0fs; best checkpoint: %s",
+            summary["epochs_completed"],
+            summary["seconds"],
+            summary["best_checkpoint"],
+        )
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
 
 
@@ -362,8 +425,9 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "unknown error"
 
 
-def _summary(config: TrainConfig, recorder: RunRecorder, result, error: str | None, stop_reason: str | None,
-             seconds: float) -> dict:
+def _summary(
+    config: TrainConfig, recorder: RunRecorder, result, error: str | None, stop_reason: str | None, seconds: float
+) -> dict:
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
     scored = [pair for pair in (result.best_checkpoints if result is not None else []) if "val_accuracy" in pair[1]]

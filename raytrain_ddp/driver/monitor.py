@@ -48,8 +48,13 @@ class RunMonitor:
 
     def progress(self, rank: int, epoch: int, steps: int, samples: int, loss: float, phase: str) -> str | None:
         """Record where a rank is; answer whether the driver wants the run stopped."""
-        self._events.append(("progress", rank, {"epoch": epoch, "steps": steps, "samples": samples,
-                                                "loss": loss, "phase": phase, "time": time.time()}))
+        self._events.append(
+            (
+                "progress",
+                rank,
+                {"epoch": epoch, "steps": steps, "samples": samples, "loss": loss, "phase": phase, "time": time.time()},
+            )
+        )
         return self._stop_reason
 
     def epoch_finished(self, rank: int, metrics: dict) -> None:
@@ -85,9 +90,17 @@ def find_stragglers(record: dict) -> list[dict]:
     if len(waits) < 2:
         return []
     median = statistics.median(waits)
-    slow_data_ranks = {rank for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)}
-    stragglers = [{"rank": rank, "why": f"data wait {waits[rank]:.3g}s vs median {median:.3g}s over the epoch: "
-                                        "its input pipeline is the bottleneck"} for rank in sorted(slow_data_ranks)]
+    slow_data_ranks = {
+        rank for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)
+    }
+    stragglers = [
+        {
+            "rank": rank,
+            "why": f"data wait {waits[rank]:.3g}s vs median {median:.3g}s over the epoch: "
+            "its input pipeline is the bottleneck",
+        }
+        for rank in sorted(slow_data_ranks)
+    ]
     return stragglers + _slow_in_compute(record, slow_data_ranks)
 
 
@@ -101,11 +114,19 @@ def _slow_in_compute(record: dict, slow_in_data: set[int]) -> list[dict]:
     others = min(wait for other, wait in enumerate(waits) if other != rank)
     if rank in slow_in_data or others - waits[rank] <= max(0.5 * others, STRAGGLER_MIN_EXCESS_S):
         return []
-    return [{"rank": rank, "why": f"all-reduce wait {waits[rank]:.3g}s while every other rank waits "
-                                  f">= {others:.3g}s for it over the epoch: its compute is the bottleneck"}]
+    return [
+        {
+            "rank": rank,
+            "why": f"all-reduce wait {waits[rank]:.3g}s while every other rank waits "
+            f">= {others:.3g}s for it over the epoch: its compute is the bottleneck",
+        }
+    ]
 
 
-TABLE_HEADER = f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val loss':>8}  {'val acc':>7}  {'samples/s':>9}  {'time':>6}"
+TABLE_HEADER = (
+    f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val loss':>8}  {'val acc':>7}  "
+    f"{'samples/s':>9}  {'time':>6}"
+)
 
 
 class RunRecorder:
@@ -180,10 +201,15 @@ class RunRecorder:
         if self.starts_of_rank0 > 1:
             log.warning("Ray Train restarted the workers from the latest checkpoint (restart %d)", self.restarts)
         if world_size != self.world_size:
-            log.warning("Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d%s",
-                        world_size, self.world_size, self.config.global_batch_for(1), world_size,
-                        self.config.global_batch_for(world_size),
-                        f", learning rate {self.config.lr_for(world_size):g} (--scale-lr)" if self.config.scale_lr else "")
+            log.warning(
+                "Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d%s",
+                world_size,
+                self.world_size,
+                self.config.global_batch_for(1),
+                world_size,
+                self.config.global_batch_for(world_size),
+                f", learning rate {self.config.lr_for(world_size):g} (--scale-lr)" if self.config.scale_lr else "",
+            )
             self.world_size = world_size
             self.workers = {rank: info for rank, info in self.workers.items() if rank < world_size}
             self._progress = {rank: p for rank, p in self._progress.items() if rank < world_size}
@@ -231,8 +257,10 @@ class RunRecorder:
             "lr": first["lr"],
             "data_wait_seconds_per_rank": [round(m["data_wait_seconds"], 4) for m in ranks],
             "step_seconds_per_rank": [round(m["step_seconds"], 5) for m in ranks],
-            "allreduce_wait_seconds_per_rank": [None if m.get("allreduce_wait_seconds") is None
-                                                else round(m["allreduce_wait_seconds"], 4) for m in ranks],
+            "allreduce_wait_seconds_per_rank": [
+                None if m.get("allreduce_wait_seconds") is None else round(m["allreduce_wait_seconds"], 4)
+                for m in ranks
+            ],
             "seconds": seconds,
         }
         if "gpu_memory_peak_gib" in first:
@@ -267,8 +295,10 @@ class RunRecorder:
         parts = []
         for rank, p in seen:
             host = self.workers.get(rank, {}).get("hostname", "?")
-            parts.append(f"rank {rank} on {host}: {p['phase']}, epoch {p['epoch']} step {p['steps']}, "
-                         f"unchanged for {time.time() - p['moved_at']:.0f}s")
+            parts.append(
+                f"rank {rank} on {host}: {p['phase']}, epoch {p['epoch']} step {p['steps']}, "
+                f"unchanged for {time.time() - p['moved_at']:.0f}s"
+            )
         silent = [r for r in sorted(self.workers) if r not in self._progress]
         parts += [f"rank {r} on {self.workers[r].get('hostname', '?')}: no news since it started" for r in silent]
         return "; ".join(parts) or "no worker has reported yet"
@@ -290,8 +320,10 @@ class RunRecorder:
             log.info(TABLE_HEADER)
             self._table_started = True
         spread = f"{r['train_loss']:.4f} ({r['train_loss_min']:.4f}..{r['train_loss_max']:.4f})"
-        log.info(f"{r['epoch']:>5}  {spread:<32} {r['val_loss']:>8.4f}  {r['val_accuracy']:>7.4f}  "
-                 f"{r['samples_per_second']:>9,.0f}  {r['seconds']:>5.1f}s")
+        log.info(
+            f"{r['epoch']:>5}  {spread:<32} {r['val_loss']:>8.4f}  {r['val_accuracy']:>7.4f}  "
+            f"{r['samples_per_second']:>9,.0f}  {r['seconds']:>5.1f}s"
+        )
 
     def progress_line(self) -> str | None:
         """Step, samples/s, ETA and mean loss of the epoch in flight, over all ranks."""
@@ -310,8 +342,9 @@ class RunRecorder:
         eta = f", epoch ETA {(self.steps_per_epoch - step) * (samples / max(step, 1)) / rate:.0f}s" if rate > 0 else ""
         losses = [p["loss"] for p in current if p["loss"] == p["loss"]]  # NaN before a rank's first step
         loss = f", loss {statistics.fmean(losses):.4f}" if losses else ""
-        return (f"epoch {epoch}/{self.total_epochs}: step {step}/{self.steps_per_epoch}, "
-                f"{rate:,.0f} samples/s{eta}{loss}")
+        return (
+            f"epoch {epoch}/{self.total_epochs}: step {step}/{self.steps_per_epoch}, {rate:,.0f} samples/s{eta}{loss}"
+        )
 
     def _show_progress(self) -> None:
         line = self.progress_line()

@@ -54,14 +54,16 @@ def node_table() -> list[dict]:
         if not node.get("Alive"):
             continue
         resources = node.get("Resources", {})
-        rows.append({
-            "node_ip": node.get("NodeManagerAddress", "?"),
-            "hostname": node.get("NodeManagerHostname", "?"),
-            "node_id": node.get("NodeID"),
-            "cpus": resources.get("CPU", 0.0),
-            "gpus": resources.get("GPU", 0.0),
-            "memory_gib": resources.get("memory", 0.0) / 2**30,
-        })
+        rows.append(
+            {
+                "node_ip": node.get("NodeManagerAddress", "?"),
+                "hostname": node.get("NodeManagerHostname", "?"),
+                "node_id": node.get("NodeID"),
+                "cpus": resources.get("CPU", 0.0),
+                "gpus": resources.get("GPU", 0.0),
+                "memory_gib": resources.get("memory", 0.0) / 2**30,
+            }
+        )
     return sorted(rows, key=lambda r: r["node_ip"])
 
 
@@ -86,19 +88,29 @@ def check_fits(config: TrainConfig, nodes: list[dict]) -> int:
     needed = config.fewest_workers
     asked = f"asked for {'at least ' if config.min_workers else ''}{needed} workers x {shape}"
     if config.use_gpu and not any(n["gpus"] for n in nodes):
-        raise ConfigError(f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU")
+        raise ConfigError(
+            f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU"
+        )
     most = most_workers(config, nodes)
     if most < needed:
-        hint = f"try --{'min' if config.min_workers else 'num'}-workers {most}" if most else "try a smaller --cpus-per-worker"
-        raise ConfigError(f"{asked}, but the {len(nodes)} node(s) hold {most} beside {DATA_LOADING_CPUS} CPU "
-                          f"for Ray Data loading ({describe(nodes)}); {hint}")
+        hint = (
+            f"try --{'min' if config.min_workers else 'num'}-workers {most}"
+            if most
+            else "try a smaller --cpus-per-worker"
+        )
+        raise ConfigError(
+            f"{asked}, but the {len(nodes)} node(s) hold {most} beside {DATA_LOADING_CPUS} CPU "
+            f"for Ray Data loading ({describe(nodes)}); {hint}"
+        )
     return min(most, config.num_workers)
 
 
 def most_workers(config: TrainConfig, nodes: list[dict]) -> int:
     """The most workers that fit, leaving some node a whole CPU for data loading."""
     packed = sum(workers_that_fit(n, config) for n in nodes)
-    return next((n for n in range(packed, 0, -1) if max(cpus_left_after_packing(config, nodes, n)) >= DATA_LOADING_CPUS), 0)
+    return next(
+        (n for n in range(packed, 0, -1) if max(cpus_left_after_packing(config, nodes, n)) >= DATA_LOADING_CPUS), 0
+    )
 
 
 def cpus_left_after_packing(config: TrainConfig, nodes: list[dict], workers: int) -> list[float]:
@@ -119,22 +131,31 @@ def _cuda_probe() -> dict:
     """What a Ray worker given a GPU on this node sees: what a training worker will see."""
     import torch
 
-    return {"host": socket.gethostname(), "cuda": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
-            "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "unset")}
+    return {
+        "host": socket.gethostname(),
+        "cuda": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda,
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+    }
 
 
 def check_gpus_usable(nodes: list[dict]) -> None:
     """ConfigError when Ray counts GPUs on a node but CUDA sees none in a Ray worker there
     (a CPU-only torch, a missing driver): NCCL would fail, or workers would train on CPU unnoticed."""
-    probes = [_cuda_probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["node_id"], soft=False))
-              .remote() for node in nodes if node["gpus"]]
+    probes = [
+        _cuda_probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["node_id"], soft=False)).remote()
+        for node in nodes
+        if node["gpus"]
+    ]
     ready, _ = ray.wait(probes, num_returns=len(probes), timeout=CUDA_PROBE_TIMEOUT_S)
     for seen in ray.get(ready):
         if not seen["cuda"]:
             build = f"CUDA {seen['torch_cuda']}" if seen["torch_cuda"] else "no CUDA (a CPU-only build)"
-            raise ConfigError(f"--use-gpu: Ray counts GPUs on {seen['host']}, but CUDA sees none in a Ray worker "
-                              f"there (CUDA_VISIBLE_DEVICES={seen['visible']}, torch built for {build}); check the "
-                              "driver with nvidia-smi and that the cluster's environment has a CUDA build of torch")
+            raise ConfigError(
+                f"--use-gpu: Ray counts GPUs on {seen['host']}, but CUDA sees none in a Ray worker "
+                f"there (CUDA_VISIBLE_DEVICES={seen['visible']}, torch built for {build}); check the "
+                "driver with nvidia-smi and that the cluster's environment has a CUDA build of torch"
+            )
 
 
 # A Ray started here shares the cores among more CPU workers than there are (a laptop runs 2 workers + data
@@ -153,12 +174,19 @@ def check_local_capacity(config: TrainConfig) -> None:
     by_cores = math.floor((cores * MAX_CPUS_PER_CORE - DATA_LOADING_CPUS) / config.cpus_per_worker + 1e-9)
     most = max(0, min(by_cores, math.floor(memory_gib / MEMORY_PER_CPU_WORKER_GIB)))
     if config.fewest_workers > most:
-        raise ConfigError(f"--num-workers {config.num_workers} x {config.cpus_per_worker:g} CPU does not fit this "
-                          f"machine ({cores} cores, {memory_gib:.1f} GiB): at most {most} CPU workers fit "
-                          f"(--num-workers {most}), or give --address of a larger Ray cluster")
+        raise ConfigError(
+            f"--num-workers {config.num_workers} x {config.cpus_per_worker:g} CPU does not fit this "
+            f"machine ({cores} cores, {memory_gib:.1f} GiB): at most {most} CPU workers fit "
+            f"(--num-workers {most}), or give --address of a larger Ray cluster"
+        )
     if config.num_workers * config.cpus_per_worker > cores:
-        log.warning("%d CPU workers x %g CPU on %d cores: they share the cores and train slower than %d would",
-                    config.num_workers, config.cpus_per_worker, cores, cores)
+        log.warning(
+            "%d CPU workers x %g CPU on %d cores: they share the cores and train slower than %d would",
+            config.num_workers,
+            config.cpus_per_worker,
+            cores,
+            cores,
+        )
 
 
 def local_cpus(config: TrainConfig) -> int:

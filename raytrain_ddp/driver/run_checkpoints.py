@@ -27,8 +27,18 @@ from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, load_file
 log = logging.getLogger("raytrain_ddp")
 
 # What a worker reads when it resumes (raytrain_ddp/worker: Trainer.restore, checkpoint.load, position_of)
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step_in_epoch", "global_step", "rng",
-                 "config", "data_spec")
+REQUIRED_KEYS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "step_in_epoch",
+    "global_step",
+    "rng",
+    "config",
+    "data_spec",
+)
 CORRUPT_DIR = "corrupt"
 
 
@@ -77,8 +87,12 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
         if why is None:
             resume_from = describe(run_dir / name, checkpoint_state)
             break
-        log.error("Checkpoint %s is corrupt (%s): moved to %s/; resuming from the one before it",
-                  run_dir / name / CHECKPOINT_FILE, why, run_dir / CORRUPT_DIR)
+        log.error(
+            "Checkpoint %s is corrupt (%s): moved to %s/; resuming from the one before it",
+            run_dir / name / CHECKPOINT_FILE,
+            why,
+            run_dir / CORRUPT_DIR,
+        )
         corrupt.append(name)
         if (run_dir / name).exists():
             (run_dir / CORRUPT_DIR).mkdir(exist_ok=True)
@@ -105,11 +119,15 @@ def check_resume_from(config: TrainConfig, spec) -> dict:
     made_for = state["config"].get("model"), tuple(state["data_spec"]["input_shape"]), state["data_spec"]["num_classes"]
     wanted = config.model, tuple(spec.input_shape), spec.num_classes
     if made_for != wanted:
-        raise ConfigError(f"{flag} was made for model {made_for[0]} on inputs {made_for[1]} with {made_for[2]} "
-                          f"classes; this run is model {wanted[0]} on inputs {wanted[1]} with {wanted[2]} classes")
+        raise ConfigError(
+            f"{flag} was made for model {made_for[0]} on inputs {made_for[1]} with {made_for[2]} "
+            f"classes; this run is model {wanted[0]} on inputs {wanted[1]} with {wanted[2]} classes"
+        )
     if state["epoch"] >= config.epochs and not state.get("step_in_epoch"):
-        raise ConfigError(f"{flag} has already trained {state['epoch']} epochs; ask for more --epochs "
-                          f"(the total, counting those), got {config.epochs}")
+        raise ConfigError(
+            f"{flag} has already trained {state['epoch']} epochs; ask for more --epochs "
+            f"(the total, counting those), got {config.epochs}"
+        )
     return state
 
 

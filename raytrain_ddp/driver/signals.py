@@ -65,8 +65,10 @@ def stop_on_signals():
             log.warning("Got %s while already stopping on %s: still waiting for the checkpoint", reason, stop.reason)
         else:
             stop.reason, stop.at = reason, time.time()
-            log.warning("Got %s: every rank checkpoints at its next step and stops; "
-                        "run the same command again to resume", reason)
+            log.warning(
+                "Got %s: every rank checkpoints at its next step and stops; run the same command again to resume",
+                reason,
+            )
             if stop.monitor is not None:
                 stop.monitor.request_stop.remote(reason)
 

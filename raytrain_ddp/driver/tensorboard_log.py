@@ -85,8 +85,9 @@ class TensorBoardLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # torch is there; the tensorboard package is not
-            raise ImportError("TensorBoard logging needs the tensorboard package (pip install tensorboard): "
-                              f"{err}") from err
+            raise ImportError(
+                f"TensorBoard logging needs the tensorboard package (pip install tensorboard): {err}"
+            ) from err
         self.log_dir = Path(run_dir) / TENSORBOARD_DIR
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))

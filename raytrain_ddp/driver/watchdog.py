@@ -48,8 +48,12 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
     worker = recorder.workers.get(recorder.stuck_rank())
     if worker is None:
         return
-    log.error("Watchdog: ending rank %d (pid %d on %s); Ray Train restarts the workers from the last checkpoint",
-              worker["rank"], worker["pid"], worker["hostname"])
+    log.error(
+        "Watchdog: ending rank %d (pid %d on %s); Ray Train restarts the workers from the last checkpoint",
+        worker["rank"],
+        worker["pid"],
+        worker["hostname"],
+    )
     on_its_node = NodeAffinitySchedulingStrategy(worker["node_id"], soft=False)
     ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
 
@@ -78,21 +82,31 @@ def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: N
         on_it = f": rank(s) {', '.join(map(str, ranks))} ran there" if ranks else ""
         log.error("Lost node %s (%s) from the Ray cluster%s", node["hostname"], node["node_ip"], on_it)
         if ranks:
-            log.warning("Ray Train restarts the workers from the latest checkpoint once there is room for %d; "
-                        "waiting up to %ds (--capacity-wait-s)", config.fewest_workers, config.capacity_wait_s)
+            log.warning(
+                "Ray Train restarts the workers from the latest checkpoint once there is room for %d; "
+                "waiting up to %ds (--capacity-wait-s)",
+                config.fewest_workers,
+                config.capacity_wait_s,
+            )
     for node in joined:
         log.info("Node %s (%s) joined the Ray cluster", node["hostname"], node["node_ip"])
 
 
 def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
     """Why the run gives up after a node loss, and what to do: one line."""
-    lost = "; ".join(f"{n['hostname']} ({n['node_ip']}, rank(s) {', '.join(map(str, n['ranks']))})"
-                     for n in recorder.lost_nodes if n["ranks"])
+    lost = "; ".join(
+        f"{n['hostname']} ({n['node_ip']}, rank(s) {', '.join(map(str, n['ranks']))})"
+        for n in recorder.lost_nodes
+        if n["ranks"]
+    )
     fits = preflight.most_workers(config, preflight.node_table())
     hint = "" if config.min_workers or not fits else f", or let it go on with fewer: --min-workers {fits}"
-    return (f"lost node {lost} after {len(recorder.epochs)} epoch(s); room for {config.fewest_workers} worker(s) did not come "
-            f"back within {config.capacity_wait_s}s (the cluster now holds {fits}); the checkpoints are kept: "
-            f"run the same command again when the nodes are back{hint}")
+    return (
+        f"lost node {lost} after {len(recorder.epochs)} epoch(s); "
+        f"room for {config.fewest_workers} worker(s) did not come "
+        f"back within {config.capacity_wait_s}s (the cluster now holds {fits}); the checkpoints are kept: "
+        f"run the same command again when the nodes are back{hint}"
+    )
 
 
 def watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch) -> None:
@@ -113,8 +127,9 @@ def watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainCo
                     log.error("Giving up: %s", recorder.abort_reason)
                     _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
                 continue
-            allowed_s = config.hang_timeout_s if recorder.any_rank_training else max(config.hang_timeout_s,
-                                                                                      STARTUP_GRACE_S)
+            allowed_s = (
+                config.hang_timeout_s if recorder.any_rank_training else max(config.hang_timeout_s, STARTUP_GRACE_S)
+            )
             if time.time() - recorder.last_news > allowed_s:
                 _end_stalled_attempt(recorder, allowed_s)
             if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):

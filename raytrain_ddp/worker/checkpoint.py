@@ -36,8 +36,15 @@ class Position:
     global_step: int = 0
 
 
-def save(directory: str, model_state: dict, optimizer_state: dict, training_state: dict,
-         position: Position, metrics: dict, run_info: dict) -> Checkpoint:
+def save(
+    directory: str,
+    model_state: dict,
+    optimizer_state: dict,
+    training_state: dict,
+    position: Position,
+    metrics: dict,
+    run_info: dict,
+) -> Checkpoint:
     """Write the state to `directory` (write, then rename) and wrap it as a Ray Train checkpoint.
 
     `training_state` holds the scheduler and scaler state and the world size; `run_info` the

@@ -83,8 +83,9 @@ def _label_worker_logs(rank: int) -> None:
     log.propagate = False
 
 
-def fed_batches(batches: Iterable[dict], feed: DeviceFeed, meter: EpochMeter, hooks: WorkerHooks,
-                rank: int) -> Iterator[tuple[dict, bool]]:
+def fed_batches(
+    batches: Iterable[dict], feed: DeviceFeed, meter: EpochMeter, hooks: WorkerHooks, rank: int
+) -> Iterator[tuple[dict, bool]]:
     """(device batch, is_last) pairs, the next batch's copy started before the current one is handed out.
 
     The meter's data wait times only the host-side fetch: the copies are
@@ -146,8 +147,12 @@ class Trainer:
         if state.get("world_size", self.world_size) != self.world_size:
             if position.step_in_epoch:
                 # Shards are drawn for a world size: the rows done so far are no prefix of the new shards.
-                log.info("world size changed from %d to %d: epoch %d starts over", state["world_size"],
-                         self.world_size, position.epoch + 1)
+                log.info(
+                    "world size changed from %d to %d: epoch %d starts over",
+                    state["world_size"],
+                    self.world_size,
+                    position.epoch + 1,
+                )
                 position.step_in_epoch = 0
             # The checkpoint's schedule counted another world size's steps per epoch (and lr, with --scale-lr).
             resume_schedule(self.scheduler, self.config.lr_for(self.world_size), position.epoch * self.epoch_steps)
@@ -156,7 +161,7 @@ class Trainer:
     def micro_batch(self, batch: dict, synchronise: bool) -> torch.Tensor:
         """Forward and backward on one micro-batch; gradients are all-reduced only when `synchronise`."""
         x = batch["x"].contiguous(memory_format=torch.channels_last) if self.config.channels_last else batch["x"]
-        with (strategy.no_grad_sync(self.model, self.config) if not synchronise else contextlib.nullcontext()):
+        with strategy.no_grad_sync(self.model, self.config) if not synchronise else contextlib.nullcontext():
             with strategy.autocast(self.config, self.device):
                 loss = self.loss_fn(self.model(x), batch["y"])
             self.scaler.scale(loss / self.config.grad_accum).backward()
@@ -181,10 +186,14 @@ class Trainer:
         model_state, optimizer_state = strategy.full_state(self.model, self.optimizer)
         if rank == 0:
             with ckpt.scratch_dir() as directory:
-                training_state = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                                  "world_size": self.world_size}
-                checkpoint = ckpt.save(directory, model_state, optimizer_state, training_state, position,
-                                       metrics, run_info)
+                training_state = {
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "world_size": self.world_size,
+                }
+                checkpoint = ckpt.save(
+                    directory, model_state, optimizer_state, training_state, position, metrics, run_info
+                )
                 ray.train.report(metrics, checkpoint=checkpoint)
         else:
             ray.train.report(metrics, checkpoint=None)
@@ -207,11 +216,18 @@ class WorkerLoop:
         context = ray.train.get_context()
         self.rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic runs: this attempt's
         self.device = device = ray.train.torch.get_device()
-        self.monitor.worker_started.remote(self.rank, {
-            "rank": self.rank, "world_size": world_size, "hostname": socket.gethostname(),
-            "node_ip": ray.util.get_node_ip_address(), "device": str(device), "pid": os.getpid(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-        })
+        self.monitor.worker_started.remote(
+            self.rank,
+            {
+                "rank": self.rank,
+                "world_size": world_size,
+                "hostname": socket.gethostname(),
+                "node_ip": ray.util.get_node_ip_address(),
+                "device": str(device),
+                "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+            },
+        )
         _label_worker_logs(self.rank)
         self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
         self.trainer = Trainer(config, self.spec, device, plugins, world_size)
@@ -224,9 +240,15 @@ class WorkerLoop:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
             self.position = self.trainer.restore(ckpt.load(resume_from))
-            log.info("rank %d resumed from %s after epoch %d%s", self.rank, resume_from.path, self.position.epoch,
-                     f" and {self.position.step_in_epoch} optimizer steps of the next"
-                     if self.position.step_in_epoch else "")
+            log.info(
+                "rank %d resumed from %s after epoch %d%s",
+                self.rank,
+                resume_from.path,
+                self.position.epoch,
+                f" and {self.position.step_in_epoch} optimizer steps of the next"
+                if self.position.step_in_epoch
+                else "",
+            )
         log.info("training on %s from epoch %d", self.device, self.position.epoch + 1)
         return self.position
 
@@ -290,9 +312,17 @@ class WorkerLoop:
         self.heartbeat.at("checkpointing", epoch, run.meter)
         stopped_at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step)
         log.info("stopping at epoch %d, optimizer step %d: %s", epoch, run.optimizer_steps, run.stop_reason)
-        self.trainer.checkpoint(stopped_at, {"epoch": epoch - 1, "step_in_epoch": run.optimizer_steps,
-                                             "val_accuracy": float("-inf"), "stopped": run.stop_reason},
-                                self.run_info, self.rank)
+        self.trainer.checkpoint(
+            stopped_at,
+            {
+                "epoch": epoch - 1,
+                "step_in_epoch": run.optimizer_steps,
+                "val_accuracy": float("-inf"),
+                "stopped": run.stop_reason,
+            },
+            self.run_info,
+            self.rank,
+        )
 
     def validate(self, epoch: int, run: EpochRun) -> dict:
         """Validation over all ranks' shards, with rank zero's buffers everywhere."""
@@ -305,8 +335,13 @@ class WorkerLoop:
         fsdp = config.strategy == "fsdp"
         val_batches = self.val_shard.iter_torch_batches(batch_size=config.batch_size, device=self.device)
         with strategy.autocast(config, self.device):  # the precision training ran in (evaluate.py does the same)
-            return evaluate(model if fsdp else strategy.unwrap(model), val_batches, self.trainer.loss_fn,
-                            self.device, lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None)
+            return evaluate(
+                model if fsdp else strategy.unwrap(model),
+                val_batches,
+                self.trainer.loss_fn,
+                self.device,
+                lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None,
+            )
 
     def report_epoch(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
         """This rank's epoch record to the driver, which aggregates the ranks' into metrics.jsonl."""
@@ -315,16 +350,25 @@ class WorkerLoop:
             save_sample_ids(config, epoch, self.rank, run.seen_ids)
         micro_batches = meter.micro_batches
         rank_metrics = {
-            "epoch": epoch, "rank": self.rank, "train_loss": meter.loss, "samples": meter.samples,
-            "micro_batches": micro_batches, "steps": micro_batches,  # "steps": the old name, for one release
-            "optimizer_steps": run.optimizer_steps, "skipped_steps": run.skipped_steps,
+            "epoch": epoch,
+            "rank": self.rank,
+            "train_loss": meter.loss,
+            "samples": meter.samples,
+            "micro_batches": micro_batches,
+            "steps": micro_batches,  # "steps": the old name, for one release
+            "optimizer_steps": run.optimizer_steps,
+            "skipped_steps": run.skipped_steps,
             "grad_allreduces": trainer.grad_syncs.calls if config.strategy == "ddp" else None,  # FSDP: not counted
-            "lr": trainer.lr, "train_seconds": run.train_seconds, "data_wait_seconds": meter.data_wait_s,
-            "step_seconds": run.compute_seconds / max(micro_batches, 1), **val_metrics,
+            "lr": trainer.lr,
+            "train_seconds": run.train_seconds,
+            "data_wait_seconds": meter.data_wait_s,
+            "step_seconds": run.compute_seconds / max(micro_batches, 1),
+            **val_metrics,
         }
         # gloo completes a future when its all-reduce has; NCCL's may complete at enqueue: no wait measured there
-        rank_metrics["allreduce_wait_seconds"] = (trainer.grad_syncs.wait_s if config.strategy == "ddp"
-                                                  and self.device.type == "cpu" else None)
+        rank_metrics["allreduce_wait_seconds"] = (
+            trainer.grad_syncs.wait_s if config.strategy == "ddp" and self.device.type == "cpu" else None
+        )
         trainer.grad_syncs.calls, trainer.grad_syncs.wait_s = 0, 0.0
         if self.device.type == "cuda":
             rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -354,7 +398,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         worker.report_epoch(epoch, run, val_metrics)
         worker.checkpoint(epoch, run, val_metrics)
         if epoch < worker.config.epochs and worker.stop_agreed():
-            log.info("stopping after epoch %d: %s", epoch,
-                     worker.heartbeat.stop_reason or "another rank was asked to stop")
+            log.info(
+                "stopping after epoch %d: %s", epoch, worker.heartbeat.stop_reason or "another rank was asked to stop"
+            )
             return
     worker.finish()

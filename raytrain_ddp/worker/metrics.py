@@ -104,16 +104,20 @@ class Heartbeat:
             time.sleep(self.INTERVAL_S)
             meter = self.meter
             try:
-                self.stop_reason = self.post(self.rank, self.epoch, meter.micro_batches_started, meter.samples,
-                                             meter.loss, self.phase) or self.stop_reason
+                self.stop_reason = (
+                    self.post(self.rank, self.epoch, meter.micro_batches_started, meter.samples, meter.loss, self.phase)
+                    or self.stop_reason
+                )
             except Exception:  # the monitor restarting or busy: keep beating, ask again next time
                 continue
 
 
 def monitor_post(monitor):
     """Heartbeat's `post` for the driver's monitor actor."""
+
     def post(*progress):
         return ray.get(monitor.progress.remote(*progress), timeout=30)
+
     return post
 
 
@@ -179,8 +183,10 @@ def sync_buffers(model: nn.Module) -> None:
 def check_finite(loss: float, rank: int, epoch: int, step: int) -> None:
     """Stop on a NaN or infinite loss, saying where: retraining on from there is wasted work."""
     if not math.isfinite(loss):
-        raise FloatingPointError(f"training loss is {loss} on rank {rank} at epoch {epoch}, by step {step}; "
-                                 "the latest checkpoint holds the last good weights")
+        raise FloatingPointError(
+            f"training loss is {loss} on rank {rank} at epoch {epoch}, by step {step}; "
+            "the latest checkpoint holds the last good weights"
+        )
 
 
 def parameter_checksum(model: nn.Module) -> str:

@@ -28,11 +28,14 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> 
     return 1.0
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, epoch_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, config: TrainConfig, epoch_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     total_steps = config.epochs * epoch_steps
     warmup_steps = round(config.warmup_epochs * epoch_steps)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, config.lr_schedule))
+        optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, config.lr_schedule)
+    )
 
 
 def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, base_lr: float, step: int) -> None:

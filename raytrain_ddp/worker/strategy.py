@@ -88,8 +88,11 @@ def distribute(model: nn.Module, config: TrainConfig, device: torch.device) -> t
     counter = GradSyncCounter()
     if config.strategy == "fsdp":
         # bf16 all-gathers and compute, fp32 gradient reduction (bf16 sums lose precision over many ranks).
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if config.precision == "bf16" else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if config.precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
         # FSDP moves each unit to the device as it shards it: one unit at a time is ever whole there.
         # Parameters stay contiguous (FSDP2 refuses others); with --channels-last the inputs carry the
         # format, and a convolution with a channels-last input runs channels-last.
@@ -153,11 +156,17 @@ def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Unsharded model and optimizer state on rank zero's CPU (empty elsewhere). Every rank must call it."""
-    return get_state_dict(unwrap(model), optimizer,
-                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_state_dict(unwrap(model), optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+) -> None:
     """Load a full state dict on every rank; FSDP keeps each rank's shard of it."""
-    set_state_dict(unwrap(model), optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                   options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        unwrap(model),
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optimizer_state,
+        options=StateDictOptions(full_state_dict=True),
+    )

@@ -22,8 +22,9 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--storage-path", required=True)
     p.add_argument("--name", required=True)
-    p.add_argument("--hold-seconds", type=float, default=0,
-                   help="stay connected this long (for signal tests); USR1 is recorded")
+    p.add_argument(
+        "--hold-seconds", type=float, default=0, help="stay connected this long (for signal tests); USR1 is recorded"
+    )
     args, _ = p.parse_known_args()
     run_dir = os.path.join(args.storage_path, args.name)
     os.makedirs(run_dir, exist_ok=True)
@@ -44,10 +45,12 @@ def main() -> int:
     def where():
         return {"hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address()}
 
-    seen = ray.get([
-        where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
-        for n in nodes
-    ])
+    seen = ray.get(
+        [
+            where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+            for n in nodes
+        ]
+    )
     out = {
         "address": args.address,
         "nodes": [{"hostname": n["NodeManagerHostname"], "node_ip": n["NodeManagerAddress"]} for n in nodes],

@@ -81,7 +81,16 @@ class Testbed:
     ) -> Job:
         """Submit start_ray_slurm.sh with --wait; returns when the job ends."""
         wd = self.workdir(name)
-        cmd = ["sbatch", "--wait", "--parsable", "--output", str(wd / "job.out"), *sbatch_args, str(SCRIPT), *script_args]
+        cmd = [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            "--output",
+            str(wd / "job.out"),
+            *sbatch_args,
+            str(SCRIPT),
+            *script_args,
+        ]
         t0 = time.monotonic()
         p = subprocess.run(cmd, cwd=wd, env=env or self.env(), capture_output=True, text=True, timeout=timeout)
         elapsed = time.monotonic() - t0

@@ -20,12 +20,28 @@ def test_cifar10_resnet_example_prepares_and_trains(testbed: Testbed) -> None:
     workdir = testbed.workdir("cifar-example")
     write_fake_cifar10(workdir / "cifar-10-batches-py", per_batch=16)
     job_log = workdir / "job.out"
-    env = testbed.env(SBATCH_ARGS=f"--wait --output={job_log} --nodes=2 --ntasks-per-node=1 --cpus-per-task=3 "
-                                  "--gpus-per-node=0 --time=30")
+    env = testbed.env(
+        SBATCH_ARGS=f"--wait --output={job_log} --nodes=2 --ntasks-per-node=1 --cpus-per-task=3 "
+        "--gpus-per-node=0 --time=30"
+    )
     done = subprocess.run(
-        [str(REPO / "examples" / "cifar10_resnet_slurm.sh"), str(workdir / "cifar-10-batches-py"),
-         str(workdir / "cifar10"), "--epochs", "1", "--precision", "fp32", "--name", "cifar-example"],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+        [
+            str(REPO / "examples" / "cifar10_resnet_slurm.sh"),
+            str(workdir / "cifar-10-batches-py"),
+            str(workdir / "cifar10"),
+            "--epochs",
+            "1",
+            "--precision",
+            "fp32",
+            "--name",
+            "cifar-example",
+        ],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = job_log.read_text() if job_log.exists() else ""
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{log}"
     assert re.search(r"^train\s+80\s", done.stdout, re.M), done.stdout  # `inspect` of the prepared dataset

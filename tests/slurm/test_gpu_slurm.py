@@ -32,8 +32,9 @@ def test_gpu_job_reaches_the_cuda_probe(testbed: Testbed) -> None:
 
 
 def test_gpus_that_cuda_visible_devices_does_not_list_fail_the_job_in_one_line(testbed: Testbed) -> None:
-    job = testbed.sbatch(TWO_GPUS_EACH, SMALL_RUN, name="gpu-mismatch", timeout=300,
-                         env=testbed.env(RAYTRAIN_GPUS_PER_NODE="3"))
+    job = testbed.sbatch(
+        TWO_GPUS_EACH, SMALL_RUN, name="gpu-mismatch", timeout=300, env=testbed.env(RAYTRAIN_GPUS_PER_NODE="3")
+    )
     assert job.returncode == 3, show(job)
     errors = [line for line in job.log.splitlines() if "ERROR" in line and "[rtnode" not in line]
     assert len(errors) == 1, show(job)

@@ -55,15 +55,23 @@ def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> t
     """
     workdir = testbed.workdir(name)
     log_path = workdir / "job.out"
-    sub = subprocess.run(["sbatch", "--parsable", "--output", str(log_path), *TWO_NODES, str(SCRIPT), *train_args],
-                         cwd=workdir, env=testbed.env(**FAST_NODE_DEATH), capture_output=True, text=True, timeout=60, check=True)
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--output", str(log_path), *TWO_NODES, str(SCRIPT), *train_args],
+        cwd=workdir,
+        env=testbed.env(**FAST_NODE_DEATH),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     job_id = int(sub.stdout.strip().split(";")[0])
     run_dir = workdir / "runs" / f"raytrain-{job_id}"
     started = time.monotonic()
     try:
         while not any(run_dir.glob("checkpoint_*/checkpoint.pt")):
             assert time.monotonic() - started < 300, "no checkpoint of epoch 1:\n" + (
-                log_path.read_text() if log_path.exists() else "")
+                log_path.read_text() if log_path.exists() else ""
+            )
             time.sleep(0.5)
         time.sleep(2)  # Ray Train registers it once every rank has reported
         assert kill_node_ray(job_id, LOST_NODE_INDEX), f"no Ray process of job {job_id} found on {LOST_NODE}"
@@ -99,8 +107,10 @@ def test_lost_node_with_min_workers_goes_on_with_fewer(testbed: Testbed) -> None
     job, run_dir, _ = run_and_lose_a_node(testbed, "node-loss-elastic", [*TRAIN, "--min-workers", "1", "--scale-lr"])
     assert f"Lost node {LOST_NODE}" in job.log, show(job)
     assert "Ray Train restarted the workers from the latest checkpoint (restart 1)" in job.log, show(job)
-    assert ("Training goes on with 1 workers (was 2): global batch now 64 per worker x 1 = 64, "
-            "learning rate 0.02 (--scale-lr)") in job.log, show(job)
+    assert (
+        "Training goes on with 1 workers (was 2): global batch now 64 per worker x 1 = 64, "
+        "learning rate 0.02 (--scale-lr)"
+    ) in job.log, show(job)
     assert "trainer exited with code 0" in job.log, show(job)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3], records  # every epoch once, none lost or doubled

@@ -47,7 +47,10 @@ def show(job: Job) -> str:
 def test_srun_hostname_two_nodes(testbed: Testbed) -> None:
     p = subprocess.run(
         ["srun", "--nodes=2", "--ntasks-per-node=1", "hostname"],
-        capture_output=True, text=True, timeout=60, cwd=testbed.shared,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=testbed.shared,
     )
     assert p.returncode == 0, p.stderr
     hosts = sorted(p.stdout.split())
@@ -57,8 +60,9 @@ def test_srun_hostname_two_nodes(testbed: Testbed) -> None:
 def test_dry_run_plan(testbed: Testbed) -> None:
     """The plan alone (no Ray): resources from Slurm, ports from the job id,
     default storage, loud warning for node-local storage, GPU worker count."""
-    job = testbed.sbatch(TWO_NODES, ["--storage-path", "/tmp/not-shared"], name="dry",
-                         env=testbed.env(RAYTRAIN_DRY_RUN="1"))
+    job = testbed.sbatch(
+        TWO_NODES, ["--storage-path", "/tmp/not-shared"], name="dry", env=testbed.env(RAYTRAIN_DRY_RUN="1")
+    )
     assert job.returncode == 0, show(job)
     base = derived_port(job.job_id)
     assert f"gcs {base}, dashboard {base + 1}" in job.log, show(job)
@@ -68,7 +72,9 @@ def test_dry_run_plan(testbed: Testbed) -> None:
     assert "expected workers 2" in job.log and "--use-gpu" not in job.log, show(job)
     assert "WARNING: --storage-path /tmp/not-shared looks node-local" in job.log, show(job)
 
-    job = testbed.sbatch(TWO_NODES, [], name="dry-gpu", env=testbed.env(RAYTRAIN_DRY_RUN="1", RAYTRAIN_GPUS_PER_NODE="3"))
+    job = testbed.sbatch(
+        TWO_NODES, [], name="dry-gpu", env=testbed.env(RAYTRAIN_DRY_RUN="1", RAYTRAIN_GPUS_PER_NODE="3")
+    )
     assert job.returncode == 0, show(job)
     assert "--use-gpu" in job.log and "expected workers 6" in job.log, show(job)
     assert f"run directory: {job.workdir}/runs/raytrain-{job.job_id}" in job.log, show(job)
@@ -77,16 +83,21 @@ def test_dry_run_plan(testbed: Testbed) -> None:
     # The trainer's flags are read by the trainer's parser: an abbreviation it accepts is the user's
     # storage (not overridden by SUBMIT_DIR/runs), or refused by it before anything starts.
     shared = testbed.workdir("dry-storage")
-    job = testbed.sbatch(TWO_NODES, ["--storage", str(shared)], name="dry-storage",
-                         env=testbed.env(RAYTRAIN_DRY_RUN="1"))
+    job = testbed.sbatch(
+        TWO_NODES, ["--storage", str(shared)], name="dry-storage", env=testbed.env(RAYTRAIN_DRY_RUN="1")
+    )
     if job.returncode == 0:
         assert f"run directory: {shared}/raytrain-{job.job_id}" in job.log, show(job)
         assert "--storage-path" not in job.log, show(job)
     else:
         assert job.returncode == 2 and "--storage" in job.log and "run directory" not in job.log, show(job)
     # ...and packed by its preflight: 4 workers x 1.5 CPUs do not fit 2 x 3 CPUs beside a CPU for loading.
-    job = testbed.sbatch(TWO_NODES, ["--num-workers", "4", "--cpus-per-worker", "1.5"], name="dry-cpus",
-                         env=testbed.env(RAYTRAIN_DRY_RUN="1"))
+    job = testbed.sbatch(
+        TWO_NODES,
+        ["--num-workers", "4", "--cpus-per-worker", "1.5"],
+        name="dry-cpus",
+        env=testbed.env(RAYTRAIN_DRY_RUN="1"),
+    )
     assert job.returncode == 2 and "ERROR: asked for 4 workers x 1.5 CPU" in job.log, show(job)
 
 
@@ -104,18 +115,38 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
     the head node, so it moves to the next free block (one job for both: a Ray bring-up costs ~30 s)."""
     wd = testbed.workdir("train")
     sub = subprocess.run(
-        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES,
-         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"), *SMALL_RUN],
-        cwd=wd, env=testbed.env(), capture_output=True, text=True, timeout=60, check=True,
+        [
+            "sbatch",
+            "--hold",
+            "--parsable",
+            "--output",
+            str(wd / "job.out"),
+            *TWO_NODES,
+            str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
+            *SMALL_RUN,
+        ],
+        cwd=wd,
+        env=testbed.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     job_id = int(sub.stdout.strip().split(";")[0])
     port = derived_port(job_id)
     # Occupy the derived GCS port on rtnode1 (the head) from inside its namespace.
     squatter = subprocess.Popen(
-        ["nsenter", f"--net={HEAD_NETNS}", sys.executable, "-c",
-         "import socket,sys,time; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen();"
-         "print('listening', flush=True); time.sleep(900)", str(port)],
-        stdout=subprocess.PIPE, text=True,
+        [
+            "nsenter",
+            f"--net={HEAD_NETNS}",
+            sys.executable,
+            "-c",
+            "import socket,sys,time; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen();"
+            "print('listening', flush=True); time.sleep(900)",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert squatter.stdout.readline().strip() == "listening"
@@ -160,9 +191,22 @@ def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
     wd = testbed.workdir("cancel")
     env = testbed.env(RAYTRAIN_MODULE="ray_probe")
     sub = subprocess.run(
-        ["sbatch", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES,
-         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"), "--hold-seconds", "600"],
-        cwd=wd, env=env, capture_output=True, text=True, timeout=60, check=True,
+        [
+            "sbatch",
+            "--parsable",
+            "--output",
+            str(wd / "job.out"),
+            *TWO_NODES,
+            str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
+            "--hold-seconds",
+            "600",
+        ],
+        cwd=wd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     job_id = int(sub.stdout.strip().split(";")[0])
     run_dir = wd / "runs" / f"raytrain-{job_id}"
@@ -170,7 +214,9 @@ def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
     log_path = wd / "job.out"
     try:
         while "probe: holding" not in (log_path.read_text() if log_path.exists() else ""):
-            assert time.monotonic() - t0 < 300, "probe never started:\n" + (log_path.read_text() if log_path.exists() else "")
+            assert time.monotonic() - t0 < 300, "probe never started:\n" + (
+                log_path.read_text() if log_path.exists() else ""
+            )
             time.sleep(1)
         assert job_processes(job_id), "Ray processes of the running job should be visible"
         subprocess.run(["scancel", "--batch", "--signal=USR1", str(job_id)], check=True, timeout=30)
@@ -205,17 +251,37 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed
     wd = testbed.workdir("preempt")
     log_path = wd / "job.out"
     sub = subprocess.run(
-        ["sbatch", "--parsable", "--output", str(log_path), *TWO_NODES,
-         str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
-         "--epochs", str(epochs), "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"],
-        cwd=wd, env=testbed.env(), capture_output=True, text=True, timeout=60, check=True,
+        [
+            "sbatch",
+            "--parsable",
+            "--output",
+            str(log_path),
+            *TWO_NODES,
+            str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
+            "--epochs",
+            str(epochs),
+            "--train-size",
+            "2048",
+            "--val-size",
+            "256",
+            "--no-report",
+            "--no-tensorboard",
+        ],
+        cwd=wd,
+        env=testbed.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     job_id = int(sub.stdout.strip().split(";")[0])
     run_dir = wd / "runs" / f"raytrain-{job_id}"
     t0 = time.monotonic()
     try:
         while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
-            assert time.monotonic() - t0 < 300, "epoch 1 never recorded:\n" + (log_path.read_text() if log_path.exists() else "")
+            assert time.monotonic() - t0 < 300, "epoch 1 never recorded:\n" + (
+                log_path.read_text() if log_path.exists() else ""
+            )
             time.sleep(0.5)
         time.sleep(1)  # into epoch 2
         subprocess.run(["scancel", "--signal=USR1", "--batch", str(job_id)], check=True, timeout=30)
@@ -234,11 +300,15 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed
     assert f"run directory: {run_dir}" in log.split("(restart count 1)", 1)[1], show(job)  # ...in the same run dir
     assert "Resuming from checkpoint " in log, show(job)
     assert "trainer exited with code 0" in log, show(job)
-    assert [json.loads(l)["epoch"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
-        list(range(1, epochs + 1))
+    assert [json.loads(l)["epoch"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, epochs + 1)
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs_completed"] == epochs, summary
-    print(f"USR1 -> trainer exit 75: {_log_time(log, 'trainer exited with code 75') - _log_time(log, 'got USR1'):.0f}s; "
-          f"requeue -> trainer start again: {_log_time(log.split('(restart count 1)', 1)[1], 'trainer: ') - _log_time(log, 'requeued job'):.0f}s; "
-          f"whole test {job.elapsed:.0f}s")
+    print(
+        f"USR1 -> trainer exit 75: {_log_time(log, 'trainer exited with code 75') - _log_time(log, 'got USR1'):.0f}s; "
+        f"requeue -> trainer start again: "
+        f"{_log_time(log.split('(restart count 1)', 1)[1], 'trainer: ') - _log_time(log, 'requeued job'):.0f}s; "
+        f"whole test {job.elapsed:.0f}s"
+    )
     assert_no_leftovers(job)
