@@ -9,10 +9,13 @@ that has moved them still gets that far and shows the warning first.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -73,6 +76,31 @@ def kill_train_controller() -> None:
     for actor_id, actor in actors(job_id=job_id).items():
         if actor["ActorClassName"] == "TrainController" and actor["State"] != "DEAD":
             ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+
+
+# ------------------------------------------------------------------ which failures Ray Train retries
+@functools.cache
+def torch_trainer_with_retry_rule(may_retry: Callable[[BaseException], bool]) -> Any:
+    """A TorchTrainer class whose failure policy retries an error only when Ray's default would and
+    `may_retry(error)` agrees.
+
+    Ray Train V2 builds its failure policy from FailureConfig alone, with no public hook: the policy
+    subclasses the private DefaultFailurePolicy and reaches the controller through the trainer's
+    private `_initialize_and_run_controller`.
+    """
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+
+    class RetryRulePolicy(DefaultFailurePolicy):
+        def _is_retryable_error(self, training_failed_error) -> bool:
+            return may_retry(training_failed_error) and super()._is_retryable_error(training_failed_error)
+
+    class Trainer(TorchTrainer):
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            controller_init_kwargs["failure_policy"] = RetryRulePolicy(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return Trainer
 
 
 # ------------------------------------------------------------------ the checkpoint snapshot

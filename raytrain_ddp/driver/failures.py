@@ -13,9 +13,9 @@ import re
 
 import pyarrow as pa
 import ray.exceptions
-from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
-from ray.train.v2.api.exceptions import WorkerGroupError
+from ray.train import WorkerGroupError
+
+from raytrain_ddp import _ray_compat
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
 DETERMINISTIC_TYPES = (
@@ -65,21 +65,14 @@ def is_deterministic(error: BaseException) -> bool:
     )
 
 
-class NoRetryOfDeterministicFailures(DefaultFailurePolicy):
-    """Ray Train's default policy, less the retries of a worker error that every attempt would repeat."""
-
-    def _is_retryable_error(self, training_failed_error) -> bool:
-        if isinstance(training_failed_error, WorkerGroupError):
-            failures = list(training_failed_error.worker_failures.values())
-            lost = any(isinstance(c, PROCESS_LOST_TYPES) for f in failures for c in _causes(f))
-            if not lost and any(is_deterministic(f) for f in failures):
-                return False
-        return super()._is_retryable_error(training_failed_error)
+def may_retry(error: BaseException) -> bool:
+    """False for a worker-group failure that every attempt would repeat (no process of it was lost)."""
+    if isinstance(error, WorkerGroupError):
+        failures = list(error.worker_failures.values())
+        lost = any(isinstance(c, PROCESS_LOST_TYPES) for f in failures for c in _causes(f))
+        return lost or not any(is_deterministic(f) for f in failures)
+    return True
 
 
-class Trainer(TorchTrainer):
-    """TorchTrainer with that failure policy (V2 builds its policy from FailureConfig alone, without a hook)."""
-
-    def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["failure_policy"] = NoRetryOfDeterministicFailures(self.run_config.failure_config)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
+# TorchTrainer with that rule in its failure policy
+Trainer = _ray_compat.torch_trainer_with_retry_rule(may_retry)

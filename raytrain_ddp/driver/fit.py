@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 import ray.data
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path, to_toml
@@ -202,7 +202,9 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     return log_file
 
 
-def _make_trainer(config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int) -> Trainer:
+def _make_trainer(
+    config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int
+) -> TorchTrainer:
     os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
     # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
     # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
