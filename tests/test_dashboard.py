@@ -145,7 +145,13 @@ def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
             "--no-tensorboard",
         ],
         cwd=REPO,
-        env={**ray_head["env"], "RAYTRAIN_TEST_SLOW_DATA": "0:0.05"},  # long enough to look at it
+        env={
+            **ray_head["env"],
+            # rank 1's process dies in epoch 2 of the first attempt: Ray Train restarts, a second attempt
+            "RAYTRAIN_WORKER_HOOKS": "worker_hooks:DieOnce",
+            "RAYTRAIN_TEST_DIE_ONCE": f"{tmp_path}:1:2:3",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -166,11 +172,16 @@ def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
     assert sorted(w["world_rank"] for w in workers) == [0, 1]
     assert all(w["node_ip"] and w["node_id"] for w in workers)
     assert f"Ray dashboard: {dashboard} (log in with the token: the contents of {ray_head['token_path']})" in output
+    assert f"the job named {NAME!r} on the Jobs page" in output and f"{dashboard}{TRAIN_RUNS_API}" in output
     assert token not in output
+    assert "restarted the workers from the latest checkpoint (restart 1)" in output, output[-3000:]
 
     after = _our_run(dashboard, token)
     assert after is not None, _get(dashboard + TRAIN_RUNS_API, token)
-    assert after["status"] == "FINISHED" and after["attempts"][-1]["status"] == "FINISHED", after
+    assert after["status"] == "FINISHED", after
+    statuses = [attempt["status"] for attempt in after["attempts"]]
+    assert len(statuses) == 2 and statuses[-1] == "FINISHED" and statuses[0] != "FINISHED", after["attempts"]
+    assert sorted(w["world_rank"] for w in after["attempts"][-1]["workers"]) == [0, 1], after["attempts"]
 
     text, png = _browse(dashboard, token, "/#/jobs", (NAME, "SUCCEEDED"), tmp_path / "chromium")
     (tmp_path / "dashboard.png").write_bytes(png)  # the artefact: docs/img/dashboard-jobs.png is one of these

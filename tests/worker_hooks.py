@@ -55,6 +55,21 @@ class SlowCompute(WorkerHooks):
             time.sleep(self.seconds)
 
 
+class DieOnce(WorkerHooks):
+    """RAYTRAIN_TEST_DIE_ONCE=directory:rank:epoch:micro_batch: that rank's process exits there, the first time
+    only (directory/died marks it), as a killed process would: Ray Train restarts the group, a new attempt."""
+
+    def __init__(self) -> None:
+        self.directory, *at = os.environ["RAYTRAIN_TEST_DIE_ONCE"].split(":")
+        self.at = tuple(int(n) for n in at)
+
+    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
+        marker = os.path.join(self.directory, "died")
+        if (rank, epoch, micro_batch) == self.at and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+
+
 class CountSyncs(WorkerHooks):
     """RAYTRAIN_TEST_COUNT_SYNCS=directory:first:last: each rank counts the calls that make the host wait for
     the device, from the end of micro-batch `first` of epoch 1 to the end of micro-batch `last`, in every

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import ray
+
 from raytrain_ddp import _ray_compat
 
 TRAIN_STATE_ENV = {_ray_compat.STATE_TRACKING_ENV: "1"}
@@ -34,3 +36,15 @@ def login_hint() -> str:
     """The words after the dashboard URL on the console."""
     where = token_location()
     return f" (log in with the token: {where})" if where else ""
+
+
+def where_the_run_shows(dashboard_url: str, run_name: str) -> str:
+    """The console line after the dashboard's: where in it this run is.
+
+    No open-source Ray dashboard of the tested versions has a Train page (Anyscale's console has one):
+    the run is its driver's job, named after it, and the Train API lists it with attempts and workers.
+    """
+    return (
+        f"  this run in the dashboard: the job named {run_name!r} on the Jobs page; Ray {ray.__version__}'s "
+        f"dashboard has no Train page, its Train API lists the run: {dashboard_url}{TRAIN_RUNS_API}"
+    )

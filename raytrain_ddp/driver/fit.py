@@ -129,6 +129,7 @@ def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[
     log.info("Ray cluster: %d node(s): %s", len(nodes), preflight.describe(nodes))
     if dashboard_url:
         log.info("Ray dashboard: %s%s", dashboard_url, dashboard.login_hint())
+        log.info(dashboard.where_the_run_shows(dashboard_url, config.name))
     device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
     elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
     log.info(
