@@ -9,10 +9,13 @@ that has moved them still gets that far and shows the warning first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import os
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,9 @@ TESTED_RAY = ("2.60", "2.61")  # from, up to (excluded): the `ray[...]>=2.60,<2.
 WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"  # the driver feeds the Train state actor the dashboard reads
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # where Ray's clients (the state API too) find the cluster
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # a local start's GCS port (ray._private.ray_constants)
 
 # Ray Train V2 keeps a run's checkpoint list here (ray.train.v2._internal.constants)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
@@ -63,6 +69,41 @@ def session_dir() -> str | None:
     """This node's Ray session directory (its logs/ hold Ray's output), or None before ray.init."""
     node = getattr(ray._private.worker, "_global_node", None)
     return node.get_session_dir_path() if node else None
+
+
+@contextlib.contextmanager
+def workers_know_their_cluster(address: str, init_options: dict):
+    """Give every worker of the job RAY_ADDRESS, its own cluster's address (added to `init_options`).
+
+    Ray Train's PlacementGroupCleaner (an actor of each run) asks the state API whether the run's
+    controller lives, finding "its" cluster through $RAY_ADDRESS, else /tmp/ray/ray_current_cluster:
+    the Ray started last on the machine, not necessarily this one. A stale file makes every run end
+    with a 12 s wait; a file naming another live Ray would make the cleaner remove this run's placement
+    group mid-run. A local start gets its GCS port chosen here, so the address is known before it starts.
+    """
+    if address == "auto" or "://" in address:  # "the Ray on this machine", or Ray Client: left to Ray
+        yield
+        return
+    port = None
+    if address == "local":
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        address = f"{ray.util.get_node_ip_address()}:{port}"
+    runtime_env = dict(init_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), RAY_ADDRESS_ENV: address}
+    init_options["runtime_env"] = runtime_env
+    previous = os.environ.get(GCS_PORT_ENV)
+    if port is not None:
+        os.environ[GCS_PORT_ENV] = str(port)  # read by the local node's start, in this process
+    try:
+        yield
+    finally:
+        if port is not None:
+            if previous is None:
+                os.environ.pop(GCS_PORT_ENV, None)
+            else:
+                os.environ[GCS_PORT_ENV] = previous
 
 
 def kill_train_controller() -> None:

@@ -14,9 +14,12 @@ def ray_address() -> str:
     """
     import ray
 
-    # address="local": a new Ray of our own, never one that `ray start` left on this machine (the Slurm testbed's)
-    ray.init(
-        address="local",
+    from raytrain_ddp.driver.preflight import init_ray
+
+    # "local": a new Ray of our own, never one that `ray start` left on this machine (the Slurm testbed's);
+    # started as fit() starts one, so its workers know its address (RAY_ADDRESS)
+    init_ray(
+        "local",
         num_cpus=3,
         object_store_memory=300 * 2**20,
         include_dashboard=False,

@@ -81,3 +81,17 @@ def test_snapshot_edits_pass_rays_schema(tmp_path):
 def test_no_snapshot_reads_as_none(tmp_path):
     assert _ray_compat.read_snapshot(tmp_path) is None
     assert not _ray_compat.has_snapshot(tmp_path)
+
+
+@pytest.mark.ray
+def test_the_workers_of_a_ray_we_start_know_its_address(ray_address):
+    """Ray Train's placement-group cleaner finds "its" cluster by $RAY_ADDRESS, else by the file of the Ray
+    started last on this machine (stale, or another live Ray: then it removes a live run's placement group)."""
+
+    @ray.remote(num_cpus=0)
+    def address_seen_by_a_worker() -> str | None:
+        import os
+
+        return os.environ.get("RAY_ADDRESS")
+
+    assert ray.get(address_seen_by_a_worker.remote()) == ray_address

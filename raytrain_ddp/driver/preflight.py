@@ -16,6 +16,7 @@ import socket
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError
 
@@ -40,7 +41,8 @@ def init_ray(address: str, **options):
             why = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None
     try:
-        return ray.init(address=address, **options)
+        with _ray_compat.workers_know_their_cluster(address, options):
+            return ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = {"local": "a new local instance", "auto": "this machine"}.get(address, address)
