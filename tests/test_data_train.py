@@ -8,32 +8,44 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from support import run_cli
 
 from raytrain_ddp.data import synthetic
-from raytrain_ddp.data.prepare import write_tabular
 
-FEATURES = ",".join(synthetic.FEATURE_NAMES)
+# Real tables hold features that never change (a flag set on every row, an all-zero pixel): they must train.
+CONSTANT = ("always_one", "always_zero")
+FEATURES = ",".join((*synthetic.FEATURE_NAMES[:16], CONSTANT[0], *synthetic.FEATURE_NAMES[16:], CONSTANT[1]))
 
 
 @pytest.fixture(scope="module")
 def tabular_data(tmp_path_factory) -> Path:
-    """1203 rows with unique ids, several files and row groups."""
+    """1203 rows with unique ids, several files and row groups, two constant features; prepared from a CSV
+    file by the command a user runs."""
     rows = synthetic.tabular_rows(np.arange(1203), seed=3)
-    out = tmp_path_factory.mktemp("data") / "tabular"
-    write_tabular(
-        {name: rows[name] for name in synthetic.FEATURE_NAMES},
-        rows["label"],
-        str(out),
-        val_fraction=0.2,
-        seed=0,
-        rows_per_file=300,
-        row_group_size=100,
+    columns = {name: rows[name] for name in synthetic.FEATURE_NAMES}
+    columns.update({CONSTANT[0]: np.ones(1203), CONSTANT[1]: np.zeros(1203)})
+    where = tmp_path_factory.mktemp("data")
+    csv = where / "table.csv"
+    pacsv.write_csv(pa.table({name: columns[name] for name in FEATURES.split(",")} | {"label": rows["label"]}), csv)
+    out = where / "tabular"
+    prepared = run_cli(
+        "raytrain_ddp.data",
+        *("prepare", "--from", "csv", str(csv), "--label-column", "label", "--out", str(out)),
+        *("--val-fraction", "0.2", "--rows-per-file", "300", "--row-group-size", "100"),
+        timeout=120,
     )
+    assert prepared.returncode == 0, prepared.stderr
     return out
+
+
+def test_inspect_names_the_constant_features(tabular_data):
+    shown = run_cli("raytrain_ddp.data", "inspect", str(tabular_data), timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert f"constant   {', '.join(CONSTANT)} (std 0 over the train split: training scales them by 1)" in shown.stdout
 
 
 def _train_ids(data: Path) -> set[int]:
@@ -100,6 +112,13 @@ def recorded_run(ray_address, tabular_data, tmp_path_factory):
     result = fit(config)
     assert result.ok, result.summary["error"]
     return result
+
+
+@pytest.mark.ray
+def test_constant_features_train_and_are_named(recorded_run):
+    log = (recorded_run.run_dir / "driver.log").read_text()
+    assert f"Constant over the training split (std 0), so scaled by 1, not divided by 0: {', '.join(CONSTANT)}" in log
+    assert all(np.isfinite(epoch["train_loss"]) and np.isfinite(epoch["val_loss"]) for epoch in recorded_run.epochs)
 
 
 @pytest.mark.ray

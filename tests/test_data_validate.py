@@ -94,6 +94,16 @@ def test_raw_and_tabular_datasets(tmp_path: Path) -> None:
     assert message == f"no column 'g' in {tabular.train_paths[0]}; columns: id, label, f"
 
 
+def test_chosen_features_get_their_own_statistics(tmp_path: Path) -> None:
+    """--feature-columns may pick recorded features in another order: each keeps its own mean and std."""
+    columns = {"a": np.arange(20.0), "b": np.full(20, 7.0), "c": np.arange(20.0) * 10}
+    tabular = write_tabular(columns, np.arange(20) % 2, str(tmp_path / "tab"), val_fraction=0.0)
+    everything = check_dataset(tabular.path)
+    chosen = check_dataset(tabular.path, feature_columns=["c", "b"])
+    assert chosen.mean == [everything.mean[2], everything.mean[1]] and chosen.std == [everything.std[2], 0.0]
+    assert chosen.constant_inputs() == ["b"] and everything.constant_inputs() == ["b"]
+
+
 def test_plain_parquet_without_metadata(tmp_path: Path) -> None:
     write_images(tmp_path / "train" / "a.parquet", [0, 4, 2])
     info = check_dataset(str(tmp_path / "train"))

@@ -102,6 +102,8 @@ def _inspect(path: str) -> None:
         print(f"features   {', '.join(info.feature_columns or [])}")
     print(f"mean       {_numbers(info.mean)}")
     print(f"std        {_numbers(info.std)}")
+    if constant := info.constant_inputs():
+        print(f"constant   {', '.join(constant)} (std 0 over the train split: training scales them by 1)")
     print(f"{'split':<10} {'rows':>10} {'files':>6} {'row groups':>11} {'rows/group':>13} {'size':>10}")
     for split, paths in (("train", info.train_paths), ("val", info.val_paths)):
         _print_split(split, info.rows[split], paths)

@@ -89,6 +89,12 @@ class DatasetInfo:
     val_paths: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
+    def constant_inputs(self) -> list[str]:
+        """The features (or image channels) whose std over the train split is 0: training scales them by 1
+        (dividing by their std would make every input NaN)."""
+        names = self.feature_columns if self.kind == "tabular" else [f"channel {i}" for i in range(len(self.std or []))]
+        return [name for name, std in zip(names or [], self.std or []) if not std > 0]
+
     def metadata(self) -> dict[str, Any]:
         """The JSON object stored in dataset.json and in each file's schema metadata."""
         meta: dict[str, Any] = {

@@ -107,6 +107,7 @@ class DataSpec:
     encoding: str = "array"  # "png" / "jpeg" bytes, "raw" pixel lists, "array" uint8 NCHW
     feature_columns: tuple[str, ...] = ()
     input_dtype: str = ""  # a plug-in's x dtype; "" = the kind's own (int64 tokens, float32 otherwise)
+    constant_inputs: tuple[str, ...] = ()  # features/channels of std 0 over the train split, scaled by 1
 
 
 # ------------------------------------------------------------------ transform
@@ -274,8 +275,9 @@ def parquet_spec(config: TrainConfig) -> tuple[DataSpec, list[str], list[str]]:
     )
     if not info.val_paths:
         raise ConfigError(f"no validation data found for {info.path}: give --val-data or a val/ split")
+    std = [s if s > 0 else 1.0 for s in info.std] if info.std else info.std  # see DatasetInfo.constant_inputs
     if info.kind == "image":
-        mean, std = info.mean, info.std
+        mean = info.mean
         if not mean:
             log.warning(
                 "No normalisation statistics in %s: using mean 0.5, std 0.25 per channel "
@@ -294,6 +296,7 @@ def parquet_spec(config: TrainConfig) -> tuple[DataSpec, list[str], list[str]]:
             image_column=config.image_column,
             label_column=config.label_column,
             encoding=info.encoding,
+            constant_inputs=tuple(info.constant_inputs()),
         )
     else:
         spec = DataSpec(
@@ -303,9 +306,10 @@ def parquet_spec(config: TrainConfig) -> tuple[DataSpec, list[str], list[str]]:
             info.rows["train"],
             info.rows["val"],
             mean=tuple(info.mean or ()),
-            std=tuple(info.std or ()),
+            std=tuple(std or ()),
             label_column=config.label_column,
             feature_columns=tuple(info.feature_columns),
+            constant_inputs=tuple(info.constant_inputs()),
         )
     return spec, info.train_paths, info.val_paths
 

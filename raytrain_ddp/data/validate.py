@@ -119,11 +119,23 @@ def check_dataset(
         image_shape=image_shape,
         encoding=encoding,
         feature_columns=list(columns.features) if columns.features is not None else None,
-        mean=file_info.mean if file_info else None,
-        std=file_info.std if file_info else None,
+        mean=_stats_of(file_info, columns, "mean"),
+        std=_stats_of(file_info, columns, "std"),
         train_paths=[location.uri for location in train_files],
         val_paths=[location.uri for location in val_files],
     )
+
+
+def _stats_of(file_info: DatasetInfo | None, columns: _Columns, which: str) -> list[float] | None:
+    """The dataset's recorded mean or std, per feature of this run, in its order (--feature-columns may pick
+    some of the recorded features, in another order); None where a feature has none recorded."""
+    stats = getattr(file_info, which) if file_info else None
+    if not stats or columns.kind != "tabular":
+        return stats
+    position = {name: i for i, name in enumerate(file_info.feature_columns or [])}
+    if len(stats) != len(position) or not all(name in position for name in columns.features):
+        return None
+    return [stats[position[name]] for name in columns.features]
 
 
 # ---------------------------------------------------------------- finding files

@@ -25,7 +25,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path, to_toml
-from raytrain_ddp.data.pipeline import DataPlan, ShardingDataConfig, build_datasets, plan_data, plugin_plan
+from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints
 from raytrain_ddp.driver.failures import Trainer
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
@@ -125,7 +125,9 @@ def _pythonpath(import_roots: Sequence[str]) -> dict:
     return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
 
 
-def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[dict], workers: int) -> None:
+def _describe_start(
+    config: TrainConfig, dashboard_url: str | None, nodes: list[dict], workers: int, spec: DataSpec
+) -> None:
     log.info("Ray cluster: %d node(s): %s", len(nodes), preflight.describe(nodes))
     if dashboard_url:
         log.info("Ray dashboard: %s%s", dashboard_url, dashboard.login_hint())
@@ -165,6 +167,11 @@ def _describe_start(config: TrainConfig, dashboard_url: str | None, nodes: list[
             config.lr,
             workers * config.grad_accum,
             config.lr_for(workers),
+        )
+    if spec.constant_inputs:
+        log.warning(
+            "Constant over the training split (std 0), so scaled by 1, not divided by 0: %s",
+            ", ".join(spec.constant_inputs),
         )
     log.info("Run directory: %s", config.run_dir)
 
@@ -342,7 +349,7 @@ def _train(
     plugins: dict,
     stop_signal: StopSignal,
 ) -> FitResult:
-    _describe_start(config, dashboard_url, nodes, start_workers)
+    _describe_start(config, dashboard_url, nodes, start_workers, plan.spec)
 
     datasets = build_datasets(config, plan)
     monitor = start_monitor()
