@@ -121,13 +121,15 @@ def kill_train_controller() -> None:
 
 # ------------------------------------------------------------------ which failures Ray Train retries
 @functools.cache
-def torch_trainer_with_retry_rule(may_retry: Callable[[BaseException], bool]) -> Any:
+def torch_trainer(may_retry: Callable[[BaseException], bool]) -> Any:
     """A TorchTrainer class whose failure policy retries an error only when Ray's default would and
-    `may_retry(error)` agrees.
+    `may_retry(error)` agrees, and that leaves Ctrl-C to its caller.
 
     Ray Train V2 builds its failure policy from FailureConfig alone, with no public hook: the policy
     subclasses the private DefaultFailurePolicy and reaches the controller through the trainer's
-    private `_initialize_and_run_controller`.
+    private `_initialize_and_run_controller`. That method also installs a SIGINT handler of Ray's that
+    it never takes back (in a notebook every later interrupt is swallowed) and that exits the process
+    with 1; without it a Ctrl-C is Python's KeyboardInterrupt, which fit() turns into an orderly end.
     """
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
@@ -140,6 +142,9 @@ def torch_trainer_with_retry_rule(may_retry: Callable[[BaseException], bool]) ->
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["failure_policy"] = RetryRulePolicy(self.run_config.failure_config)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+        def _register_sigint_handler(self, controller) -> None:
+            pass
 
     return Trainer
 

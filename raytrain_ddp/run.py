@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         result = fit(config)
     except ConfigError as err:
         return bad_input(err)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # fit()'s says how far the run got; before it, there is nothing to say
+        print(str(interrupt) or "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if result.stopped:
         return EXIT_STOPPED

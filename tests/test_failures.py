@@ -65,4 +65,5 @@ def test_nonfinite_loss_fails_once_despite_max_failures(ray_address, tmp_path):
         )
     )
     assert result.summary["status"] == "failed" and result.summary["restarts"] == 0, result.summary
-    assert "training loss is" in result.summary["error"]
+    # the error says where: the epoch and the optimizer step of the check that saw it
+    assert "training loss is" in result.summary["error"] and "at epoch 1, by step" in result.summary["error"]

@@ -74,5 +74,5 @@ def may_retry(error: BaseException) -> bool:
     return True
 
 
-# TorchTrainer with that rule in its failure policy
-Trainer = _ray_compat.torch_trainer_with_retry_rule(may_retry)
+# TorchTrainer with that rule in its failure policy (and Ctrl-C left to fit())
+Trainer = _ray_compat.torch_trainer(may_retry)

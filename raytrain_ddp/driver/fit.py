@@ -30,7 +30,7 @@ from raytrain_ddp.driver import dashboard, preflight, run_checkpoints
 from raytrain_ddp.driver.failures import Trainer
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
-from raytrain_ddp.driver.signals import StopSignal, stop_on_signals
+from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
 from raytrain_ddp.errors import ConfigError
@@ -53,6 +53,11 @@ QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
     _ray_compat.PRINT_PATCH_ENV: "0",
 }
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C ended the run: its workers are gone and summary.json says how far it got. The message is the
+    one line the CLI prints."""
 
 
 @dataclass
@@ -366,10 +371,14 @@ def _train(
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(monitor, recorder, stop, config, NodeWatch(nodes)), daemon=True)
     watcher.start()
-    error, result = None, None
+    error, result, interrupted = None, None, False
     stop_signal.forward_to(monitor)
     try:
         result = _make_trainer(config, datasets, plan.spec, monitor, plugins, start_workers).fit()
+    except KeyboardInterrupt:  # Ctrl-C (Ray Train's own SIGINT handler is kept off: see _ray_compat.torch_trainer)
+        interrupted = True
+        with interrupts_deferred():
+            _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
         error = _describe_failure(err)
     except ray.exceptions.RayActorError:  # the watcher ended the controller: capacity did not come back
@@ -377,19 +386,26 @@ def _train(
             raise
         error = recorder.abort_reason
     finally:
-        stop_signal.training_over = True
-        stop.set()
-        watcher.join()
-        stop_reason = ray.get(monitor.stop_requested.remote())
-        ray.kill(monitor)
-        for sink in sinks:
-            sink.close()
+        with interrupts_deferred():
+            stop_signal.training_over = True
+            stop.set()
+            watcher.join()
+            stop_reason = ray.get(monitor.stop_requested.remote())
+            ray.kill(monitor)
+            for sink in sinks:
+                sink.close()
     if stop_signal.reason:
         log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
 
-    summary = _summary(config, recorder, result, error, stop_reason, time.time() - started)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _link_ray_logs(run_dir)
+    with interrupts_deferred():
+        summary = _summary(config, recorder, result, error, stop_reason, time.time() - started, interrupted)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _link_ray_logs(run_dir)
+    if interrupted:
+        raise Interrupted(
+            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {config.epochs} epochs; the workers are "
+            f"stopped; run the same command again to resume from the latest checkpoint ({run_dir / 'summary.json'})"
+        )
     if config.report:
         log.info("Report: %s", write_report(run_dir))
     if error:
@@ -436,7 +452,13 @@ def _last_line(text: str) -> str:
 
 
 def _summary(
-    config: TrainConfig, recorder: RunRecorder, result, error: str | None, stop_reason: str | None, seconds: float
+    config: TrainConfig,
+    recorder: RunRecorder,
+    result,
+    error: str | None,
+    stop_reason: str | None,
+    seconds: float,
+    interrupted: bool,
 ) -> dict:
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
@@ -451,7 +473,7 @@ def _summary(
     stopped = not error and stop_reason is not None and max(recorder.epochs, default=0) < config.epochs
     latest = result.checkpoint if result is not None else None
     return {
-        "status": "failed" if error else "stopped" if stopped else "finished",
+        "status": "failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
         "error": error,
         "stop_reason": stop_reason if stopped else None,
         "resume_checkpoint": os.path.join(latest.path, CHECKPOINT_FILE) if stopped and latest else None,

@@ -81,3 +81,18 @@ def stop_on_signals():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def interrupts_deferred():
+    """While a run winds down, a Ctrl-C is logged, not raised: the summary must still be written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(
+        signal.SIGINT, lambda signum, frame: log.warning("Interrupted again: writing the summary first")
+    )
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,142 @@
+"""Ctrl-C, for real: the CLI in a pseudo-terminal (the terminal sends the SIGINT), and fit() in a real
+Jupyter kernel interrupted twice. Each ends promptly, says so, writes its summary and leaves no worker."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+pytestmark = pytest.mark.ray
+
+SMALL_LONG_RUN = dict(num_workers=2, epochs=50, train_size=1024, val_size=128, report=False, tensorboard=False)
+
+
+def _wait_for_epoch_1(run_dir: Path, timeout: float = 300, alive=lambda: True) -> None:
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline, f"no epoch recorded in {run_dir} within {timeout:.0f}s"
+        assert alive(), "the run ended before its first epoch"
+        time.sleep(0.2)
+
+
+def _processes(needle: bytes) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _gone(needle: bytes, timeout: float = 30) -> list[int]:
+    """Processes whose command line holds `needle` still there after `timeout` (none: [])."""
+    deadline = time.monotonic() + timeout
+    while (left := _processes(needle)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _in_a_terminal() -> None:
+    """In the child: its own session, whose controlling terminal is the pty on stdin (as a shell's job is)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def test_ctrl_c_in_a_terminal_exits_130_with_one_line_and_a_summary(tmp_path):
+    run_dir = tmp_path / "ctrl-c"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL_LONG_RUN.items() if not isinstance(v, bool)]
+    master, terminal = pty.openpty()
+    command = [sys.executable, "-m", "raytrain_ddp.run", *flags, "--no-report", "--no-tensorboard"]
+    proc = subprocess.Popen(
+        [*command, "--storage-path", str(tmp_path), "--name", "ctrl-c"],
+        cwd=REPO,
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        start_new_session=True,
+        preexec_fn=_in_a_terminal,
+    )
+    os.close(terminal)
+    screen = bytearray()
+
+    def read_screen():
+        try:
+            while chunk := os.read(master, 4096):
+                screen.extend(chunk)
+        except OSError:  # the terminal closed: the command and everything it started are gone
+            pass
+
+    reader = threading.Thread(target=read_screen, daemon=True)
+    reader.start()
+    try:
+        _wait_for_epoch_1(run_dir, alive=lambda: proc.poll() is None)
+        os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        reader.join(timeout=10)
+        os.close(master)
+    text = screen.decode(errors="replace")
+    assert code == 130, text[-3000:]
+    last = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()][-1]
+    assert last.startswith("interrupted (Ctrl-C) after ") and "run the same command again to resume" in last, text
+    assert "Traceback" not in text, text[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["epochs_completed"] >= 1, summary
+    # the Ray the command started, and its workers, went with it
+    session = os.readlink(run_dir / "ray-logs").removesuffix("/logs").encode()
+    assert not _gone(session), "processes of the command's Ray left running"
+
+
+def test_interrupting_a_jupyter_kernel_twice_ends_each_run(tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(REPO), env=env)
+    try:
+        setup = f"from raytrain_ddp import TrainConfig, fit\nsettings = {SMALL_LONG_RUN!r}\n"
+        assert _execute(client, setup, timeout=120)["status"] == "ok"
+        for name in ("notebook-1", "notebook-2"):  # the second proves the first left Ctrl-C working
+            message_id = client.execute(f"fit(TrainConfig(name={name!r}, storage_path={str(tmp_path)!r}, **settings))")
+            _wait_for_epoch_1(tmp_path / name)
+            interrupted_at = time.monotonic()
+            manager.interrupt_kernel()
+            reply = _reply(client, message_id, timeout=120)
+            assert reply["status"] == "error" and reply["ename"] == "Interrupted", reply
+            assert time.monotonic() - interrupted_at < 60, "the cell did not end promptly"
+            summary = json.loads((tmp_path / name / "summary.json").read_text())
+            assert summary["status"] == "interrupted", summary
+            assert not _gone(b"RayTrainWorker"), f"workers of {name} left running"
+        assert _execute(client, "print('still alive')", timeout=60)["status"] == "ok"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def _execute(client, code: str, timeout: float) -> dict:
+    return _reply(client, client.execute(code), timeout)
+
+
+def _reply(client, message_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            reply = client.get_shell_msg(timeout=1)
+        except Exception:  # queue.Empty: nothing yet
+            continue
+        if reply["parent_header"].get("msg_id") == message_id:
+            return reply["content"]
+    pytest.fail(f"no reply within {timeout:.0f}s")
