@@ -119,10 +119,10 @@ class Heartbeat:
         callback_handler.register_start_callback(self._compile_started)
         callback_handler.register_end_callback(self._compile_ended)
 
-    def _compile_started(self, _args) -> None:
+    def _compile_started(self, *_args) -> None:  # older torch releases pass no arguments
         self.compiling = True
 
-    def _compile_ended(self, _args) -> None:
+    def _compile_ended(self, *_args) -> None:
         self.compiling = False
 
     def _post_forever(self) -> None:
