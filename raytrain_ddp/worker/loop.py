@@ -349,19 +349,17 @@ class WorkerLoop:
         with strategy.autocast(config, self.device):  # the precision training ran in (evaluate.py does the same)
             return evaluate(
                 model if fsdp else strategy.unwrap(model),
-                self.counted(val_batches, epoch),
+                val_batches,
                 self.trainer.loss_fn,
                 self.device,
                 lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None,
+                on_batch=lambda done: self.validated(epoch, done),
             )
 
-    def counted(self, val_batches: Iterable[dict], epoch: int) -> Iterator[dict]:
-        """Validation batches, each one counted in the heartbeat (a long pass keeps moving) once the next is asked
-        for, that is once its forward was launched."""
-        for done, batch in enumerate(val_batches, start=1):
-            yield batch
-            self.heartbeat.advance(done)
-            self.hooks.on_validation_batch(self.rank, epoch, done)
+    def validated(self, epoch: int, done: int) -> None:
+        """A validation batch's forward was launched: the heartbeat counts it (a long pass keeps moving)."""
+        self.heartbeat.advance(done)
+        self.hooks.on_validation_batch(self.rank, epoch, done)
 
     def report_epoch(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
         """This rank's epoch record to the driver, which aggregates the ranks' into metrics.jsonl."""

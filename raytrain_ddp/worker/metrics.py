@@ -6,6 +6,7 @@ import hashlib
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -170,7 +171,14 @@ def all_ranks_agree(local_flag: bool, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, loss_fn, device: torch.device, lockstep_padding: dict | None = None) -> dict:
+def evaluate(
+    model: nn.Module,
+    batches,
+    loss_fn,
+    device: torch.device,
+    lockstep_padding: dict | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict:
     """Validation loss and accuracy (per target: a class, or a next token) over ALL ranks' shards.
 
     Each rank sums over its own rows, then one all-reduce adds the sums, so
@@ -178,6 +186,7 @@ def evaluate(model: nn.Module, batches, loss_fn, device: torch.device, lockstep_
     With `lockstep_padding` (FSDP, whose forward is itself a collective) every
     rank runs as many forwards as the rank with the most batches, running that
     batch uncounted when it has run out: val shards may differ by a batch.
+    `on_batch(n)` is told after the n-th forward was launched (a padding one too).
     """
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, targets, rows
@@ -186,8 +195,10 @@ def evaluate(model: nn.Module, batches, loss_fn, device: torch.device, lockstep_
         count = torch.tensor([len(batches)], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         batches += [dict(lockstep_padding, padding=True)] * (int(count.item()) - len(batches))
-    for batch in batches:
+    for done, batch in enumerate(batches, start=1):
         outputs = model(batch["x"])
+        if on_batch is not None:
+            on_batch(done)
         if batch.get("padding"):
             continue
         targets = batch["y"].numel()
