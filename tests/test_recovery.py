@@ -81,17 +81,33 @@ def test_sigkilled_worker_is_replaced_and_training_resumes(ray_address, tmp_path
     assert result.final_metrics["val_accuracy"] > 0.8  # as an uninterrupted run of this size (0.9+; chance 0.1)
 
 
-def test_watchdog_names_the_stuck_rank_long_before_the_collective_timeout(ray_address, tmp_path, monkeypatch):
+def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray_address, tmp_path, monkeypatch):
+    """Epoch 1's validation takes longer than the hang timeout but moves batch by batch: no hang. In epoch 2's,
+    rank 1 stops after its second batch: the watchdog names it, its phase and progress, long before the
+    collective timeout."""
     from raytrain_ddp import fit
 
-    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:Stall")
-    monkeypatch.setenv("RAYTRAIN_TEST_STALL", "1:1:3:600")  # rank 1 sleeps in epoch 1, micro-batch 3
+    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowValidation")
+    monkeypatch.setenv("RAYTRAIN_TEST_SLOW_VALIDATION", "2:1:2:2")  # 6 batches x 2 s per rank in epoch 1
     started = time.monotonic()
-    result = fit(_config(tmp_path, "stalled", epochs=1, hang_timeout_s=8, max_failures=0, collective_timeout_s=900))
+    config = _config(
+        tmp_path,
+        "stalled",
+        epochs=2,
+        train_size=1024,
+        val_size=768,
+        hang_timeout_s=8,
+        max_failures=0,
+        collective_timeout_s=900,
+    )
+    result = fit(config)
     elapsed = time.monotonic() - started
     assert not result.ok
+    assert _epochs(tmp_path / "stalled") == [1]  # the slow validation pass was no hang
     verdict = result.summary["hangs"][0]
-    assert verdict.startswith("no rank made progress for 8s; last seen: rank 1 on ")  # the stuck rank leads
+    # the stuck rank leads, named with where it stopped...
+    assert verdict.startswith("no rank made progress for 8s; last seen: rank 1 on ")
+    assert ": validating (2 batches done), epoch 2 step " in verdict
     assert "rank 0 on " in verdict  # ...and the others are listed with where they wait
     assert result.summary["error"].startswith("watchdog: ")
     assert elapsed < 200  # the collective timeout alone would take 900 s

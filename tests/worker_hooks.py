@@ -19,16 +19,20 @@ def _numbers(variable: str) -> list[float]:
     return [float(v) for v in os.environ[variable].split(":")]
 
 
-class Stall(WorkerHooks):
-    """RAYTRAIN_TEST_STALL=rank:epoch:micro_batch:seconds: that rank sleeps once, after that micro-batch."""
+class SlowValidation(WorkerHooks):
+    """RAYTRAIN_TEST_SLOW_VALIDATION=seconds:rank:epoch:batch: every rank sleeps `seconds` after each validation
+    batch of epoch 1 (a pass longer than the hang timeout, each batch well inside it); then `rank` sleeps for
+    good (an hour) after validation batch `batch` of `epoch`."""
 
     def __init__(self) -> None:
-        rank, epoch, micro_batch, self.seconds = _numbers("RAYTRAIN_TEST_STALL")
-        self.at = (int(rank), int(epoch), int(micro_batch))
+        self.seconds, rank, epoch, batch = _numbers("RAYTRAIN_TEST_SLOW_VALIDATION")
+        self.stall_at = (int(rank), int(epoch), int(batch))
 
-    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
-        if (rank, epoch, micro_batch) == self.at:
+    def on_validation_batch(self, rank: int, epoch: int, batch: int) -> None:
+        if epoch == 1:
             time.sleep(self.seconds)
+        if (rank, epoch, batch) == self.stall_at:
+            time.sleep(3600)
 
 
 class SlowData(WorkerHooks):

@@ -5,6 +5,8 @@ the run monitor into the :class:`RunRecorder` and keeps two deadlines: no
 rank moving for ``--hang-timeout-s`` (name the stuck rank, end it so Ray Train
 restarts from the checkpoint) and, after a node took ranks with it, no room
 for the workers within ``--capacity-wait-s`` (name the node, end the run).
+Both run on the monotonic clock; what a rank's position is lives in
+:mod:`.liveness`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
 
 POLL_INTERVAL_S = 0.5
-# Before any rank has reported, the wait is start-up (processes, imports, the process
-# group), slow on a busy node: the watchdog allows this long, or --hang-timeout-s if longer.
+# Before any rank has reported, the wait is start-up (processes, imports, the process group),
+# slow on a busy node; while a rank compiles (torch.compile: no progress to report until it is
+# done) the wait is alike: the watchdog allows this long, or --hang-timeout-s if longer.
 STARTUP_GRACE_S = 120
 NODE_CHECK_INTERVAL_S = 2.0
 PROGRESS_LOG_INTERVAL_S = 5.0
@@ -41,11 +44,12 @@ def _kill_process(pid: int) -> None:
 
 def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
     """The watchdog's verdict: name the stuck rank, then end it so Ray Train restarts from the checkpoint."""
-    verdict = f"no rank made progress for {hang_timeout_s}s; last seen: {recorder.describe_stall()}"
+    liveness = recorder.liveness
+    verdict = f"no rank made progress for {hang_timeout_s}s; last seen: {liveness.describe_stall(recorder.workers)}"
     log.error("Watchdog: %s", verdict)
-    recorder.hangs.append(verdict)
-    recorder.last_news = time.time()  # the restarted attempt gets a full timeout of its own
-    worker = recorder.workers.get(recorder.stuck_rank())
+    liveness.hangs.append(verdict)
+    liveness.heard()  # the restarted attempt gets a full timeout of its own
+    worker = recorder.workers.get(liveness.stuck_rank())
     if worker is None:
         return
     log.error(
@@ -63,11 +67,11 @@ class NodeWatch:
 
     def __init__(self, nodes: list[dict]) -> None:
         self.alive = {node["node_id"]: node for node in nodes}
-        self.checked = time.time()
+        self.checked = time.monotonic()
 
     def changes(self) -> tuple[list[dict], list[dict]]:
         """(lost, joined) since the last look."""
-        self.checked = time.time()
+        self.checked = time.monotonic()
         now = {node["node_id"]: node for node in preflight.node_table()}
         lost = [node for node_id, node in self.alive.items() if node_id not in now]
         joined = [node for node_id, node in now.items() if node_id not in self.alive]
@@ -115,26 +119,25 @@ def watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainCo
     Every few seconds a progress line goes to driver.log (not the console,
     which gets one row per epoch), so a log shows where a long epoch stands.
     """
-    last_logged = time.time()
+    last_logged, liveness = time.monotonic(), recorder.liveness
     while not stop.wait(POLL_INTERVAL_S):
         try:
             recorder.consume(ray.get(monitor.drain.remote()))
-            if time.time() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
+            if time.monotonic() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
                 _note_node_changes(config, recorder, node_watch)
             if recorder.interrupted_at is not None:  # no group to watch: waiting for capacity
-                if time.time() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
+                if time.monotonic() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
                     recorder.abort_reason = _capacity_verdict(config, recorder)
                     log.error("Giving up: %s", recorder.abort_reason)
                     _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
                 continue
-            allowed_s = (
-                config.hang_timeout_s if recorder.any_rank_training else max(config.hang_timeout_s, STARTUP_GRACE_S)
-            )
-            if time.time() - recorder.last_news > allowed_s:
+            quiet_start = not liveness.any_rank_reported or liveness.any_rank_compiling
+            allowed_s = max(config.hang_timeout_s, STARTUP_GRACE_S) if quiet_start else config.hang_timeout_s
+            if liveness.silent_for() > allowed_s:
                 _end_stalled_attempt(recorder, allowed_s)
-            if time.time() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
+            if time.monotonic() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
                 progress_log.info(line)
-                last_logged = time.time()
+                last_logged = time.monotonic()
         except Exception:  # the watcher must outlive a bad message: training goes on regardless
             log.exception("Error while reading worker news (training continues)")
     recorder.consume(ray.get(monitor.drain.remote()))

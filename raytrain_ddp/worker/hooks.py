@@ -32,6 +32,9 @@ class WorkerHooks:
     def on_optimizer_step(self, rank: int, epoch: int, step: int) -> None:
         """After optimizer step `step` of `epoch` was launched (counting from 1, steps before a resume too)."""
 
+    def on_validation_batch(self, rank: int, epoch: int, batch: int) -> None:
+        """After validation batch `batch` (from 1) of `epoch` was launched and counted in the heartbeat."""
+
 
 def hooks_from_environment() -> tuple[bytes | None, list[str]]:
     """The pickled hooks RAYTRAIN_WORKER_HOOKS names (None: the defaults), and the import root workers need.

@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +34,7 @@ from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.hooks import WorkerHooks, worker_hooks
 from raytrain_ddp.worker.metrics import (
+    CHECKPOINT_STAGES,
     EpochMeter,
     Heartbeat,
     StepClock,
@@ -181,9 +182,15 @@ class Trainer:
         self.scheduler.step()
         return not skipped
 
-    def checkpoint(self, position: ckpt.Position, metrics: dict, run_info: dict, rank: int) -> None:
-        """Every rank gathers (FSDP shards meet on rank zero); rank zero writes; every rank reports."""
+    def checkpoint(
+        self, position: ckpt.Position, metrics: dict, run_info: dict, rank: int, stage: Callable[[int], None]
+    ) -> None:
+        """Every rank gathers (FSDP shards meet on rank zero); rank zero writes; every rank reports.
+
+        `stage(i)` is told each stage reached, an index into CHECKPOINT_STAGES (gathering first).
+        """
         model_state, optimizer_state = strategy.full_state(self.model, self.optimizer)
+        stage(CHECKPOINT_STAGES.index("saving"))
         if rank == 0:
             with ckpt.scratch_dir() as directory:
                 training_state = {
@@ -194,8 +201,10 @@ class Trainer:
                 checkpoint = ckpt.save(
                     directory, model_state, optimizer_state, training_state, position, metrics, run_info
                 )
+                stage(CHECKPOINT_STAGES.index("reporting"))
                 ray.train.report(metrics, checkpoint=checkpoint)
         else:
+            stage(CHECKPOINT_STAGES.index("reporting"))
             ray.train.report(metrics, checkpoint=None)
 
     @property
@@ -230,6 +239,8 @@ class WorkerLoop:
         )
         _label_worker_logs(self.rank)
         self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
+        if config.compile:
+            self.heartbeat.follow_compiles()
         self.trainer = Trainer(config, self.spec, device, plugins, world_size)
         self.feed = DeviceFeed(self.spec, device)
         self.train_shard = ray.train.get_dataset_shard("train")
@@ -322,6 +333,7 @@ class WorkerLoop:
             },
             self.run_info,
             self.rank,
+            self.heartbeat.advance,
         )
 
     def validate(self, epoch: int, run: EpochRun) -> dict:
@@ -341,7 +353,13 @@ class WorkerLoop:
                 self.trainer.loss_fn,
                 self.device,
                 lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None,
+                on_batch=lambda done: self.validated(epoch, done),
             )
+
+    def validated(self, epoch: int, done: int) -> None:
+        """A validation batch's forward was launched: the heartbeat counts it (a long pass keeps moving)."""
+        self.heartbeat.advance(done)
+        self.hooks.on_validation_batch(self.rank, epoch, done)
 
     def report_epoch(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
         """This rank's epoch record to the driver, which aggregates the ranks' into metrics.jsonl."""
@@ -380,7 +398,9 @@ class WorkerLoop:
         the epoch and keeps the best one."""
         self.heartbeat.at("checkpointing", epoch, run.meter)
         self.position = ckpt.Position(epoch, 0, self.position.global_step)
-        self.trainer.checkpoint(self.position, {"epoch": epoch, **val_metrics}, self.run_info, self.rank)
+        self.trainer.checkpoint(
+            self.position, {"epoch": epoch, **val_metrics}, self.run_info, self.rank, self.heartbeat.advance
+        )
 
     def finish(self) -> None:
         ray.get(self.monitor.worker_finished.remote(self.rank, parameter_checksum(strategy.unwrap(self.trainer.model))))

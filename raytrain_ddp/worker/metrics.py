@@ -6,6 +6,7 @@ import hashlib
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
@@ -76,16 +77,23 @@ class StepClock:
         return self._start.elapsed_time(self._end) / 1000
 
 
+# What a rank does inside "checkpointing", in order: its heartbeat's phase progress is the index.
+CHECKPOINT_STAGES = ("gathering", "saving", "reporting")
+
+
 class Heartbeat:
     """Tells the driver where this rank is, once a second, from a thread of its own.
 
     The loop only sets attributes (no call, no sync per micro-batch); the thread
     posts them with `post(rank, epoch, micro_batches_started, samples, loss,
-    phase)`, which answers a stop reason or None, and keeps posting while the
-    loop is blocked, so the driver's watchdog sees every rank's position during
-    a hang. It reads host values only: a device read would queue behind the
-    very kernel (an NCCL all-reduce) that hangs. A rank stuck inside a
-    collective has *started* one micro-batch more than the rank it waits for.
+    phase, phase_done)`, which answers a stop reason or None, and keeps posting
+    while the loop is blocked, so the driver's watchdog sees every rank's
+    position during a hang. It reads host values only: a device read would
+    queue behind the very kernel (an NCCL all-reduce) that hangs. A rank stuck
+    inside a collective has *started* one micro-batch more than the rank it
+    waits for. Long phases report their own progress (`advance`), and a
+    torch.compile compilation shows as the phase "compiling" (`follow_compiles`),
+    so that a long validation pass, checkpoint or first compiled step moves.
     """
 
     INTERVAL_S = 1.0
@@ -93,19 +101,46 @@ class Heartbeat:
     def __init__(self, post, rank: int) -> None:
         self.post, self.rank = post, rank
         self.phase, self.epoch, self.meter = "starting", 0, EpochMeter()
+        self.phase_done = 0  # progress inside the phase: validation batches done, CHECKPOINT_STAGES index
+        self.compiling = False
         self.stop_reason: str | None = None  # set when the driver asks the run to stop (preemption)
         threading.Thread(target=self._post_forever, daemon=True, name="heartbeat").start()
 
     def at(self, phase: str, epoch: int, meter: EpochMeter) -> None:
-        self.phase, self.epoch, self.meter = phase, epoch, meter
+        self.phase_done, self.phase, self.epoch, self.meter = 0, phase, epoch, meter
+
+    def advance(self, done: int) -> None:
+        """Progress inside the current phase: validation batches done, or the checkpoint stage reached."""
+        self.phase_done = done
+
+    def follow_compiles(self) -> None:
+        """Report torch.compile's compilations (the first step's, a recompile's) as the phase "compiling"."""
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._compile_started)
+        callback_handler.register_end_callback(self._compile_ended)
+
+    def _compile_started(self, *_args) -> None:  # older torch releases pass no arguments
+        self.compiling = True
+
+    def _compile_ended(self, *_args) -> None:
+        self.compiling = False
 
     def _post_forever(self) -> None:
         while True:
             time.sleep(self.INTERVAL_S)
-            meter = self.meter
+            meter, phase = self.meter, "compiling" if self.compiling else self.phase
             try:
                 self.stop_reason = (
-                    self.post(self.rank, self.epoch, meter.micro_batches_started, meter.samples, meter.loss, self.phase)
+                    self.post(
+                        self.rank,
+                        self.epoch,
+                        meter.micro_batches_started,
+                        meter.samples,
+                        meter.loss,
+                        phase,
+                        self.phase_done,
+                    )
                     or self.stop_reason
                 )
             except Exception:  # the monitor restarting or busy: keep beating, ask again next time
@@ -136,7 +171,14 @@ def all_ranks_agree(local_flag: bool, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, loss_fn, device: torch.device, lockstep_padding: dict | None = None) -> dict:
+def evaluate(
+    model: nn.Module,
+    batches,
+    loss_fn,
+    device: torch.device,
+    lockstep_padding: dict | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict:
     """Validation loss and accuracy (per target: a class, or a next token) over ALL ranks' shards.
 
     Each rank sums over its own rows, then one all-reduce adds the sums, so
@@ -144,6 +186,7 @@ def evaluate(model: nn.Module, batches, loss_fn, device: torch.device, lockstep_
     With `lockstep_padding` (FSDP, whose forward is itself a collective) every
     rank runs as many forwards as the rank with the most batches, running that
     batch uncounted when it has run out: val shards may differ by a batch.
+    `on_batch(n)` is told after the n-th forward was launched (a padding one too).
     """
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, targets, rows
@@ -152,8 +195,10 @@ def evaluate(model: nn.Module, batches, loss_fn, device: torch.device, lockstep_
         count = torch.tensor([len(batches)], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         batches += [dict(lockstep_padding, padding=True)] * (int(count.item()) - len(batches))
-    for batch in batches:
+    for done, batch in enumerate(batches, start=1):
         outputs = model(batch["x"])
+        if on_batch is not None:
+            on_batch(done)
         if batch.get("padding"):
             continue
         targets = batch["y"].numel()

@@ -1,0 +1,63 @@
+"""What a run shows on the console: one table row per epoch and, on a terminal, a live progress line."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+
+log = logging.getLogger("raytrain_ddp")
+
+TABLE_HEADER = (
+    f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val loss':>8}  {'val acc':>7}  "
+    f"{'samples/s':>9}  {'time':>6}"
+)
+
+
+class Console:
+    """The epoch table (through `logging`) and the progress line of the epoch in flight (stderr, a terminal only)."""
+
+    def __init__(self, total_epochs: int) -> None:
+        self.total_epochs = total_epochs
+        self.interactive = sys.stderr.isatty()
+        self._table_started = False
+        self._rate_epoch, self._rate_start = 0, (0.0, 0)
+
+    def show_row(self, r: dict, progress_shown: bool) -> None:
+        """One epoch's row, the header before the first; a progress line on screen is cleared first."""
+        if self.interactive and progress_shown:
+            sys.stderr.write("\r\033[K")
+        if not self._table_started:
+            log.info(TABLE_HEADER)
+            self._table_started = True
+        spread = f"{r['train_loss']:.4f} ({r['train_loss_min']:.4f}..{r['train_loss_max']:.4f})"
+        log.info(
+            f"{r['epoch']:>5}  {spread:<32} {r['val_loss']:>8.4f}  {r['val_accuracy']:>7.4f}  "
+            f"{r['samples_per_second']:>9,.0f}  {r['seconds']:>5.1f}s"
+        )
+
+    def progress_line(self, positions: dict[int, dict], steps_per_epoch: int) -> str | None:
+        """Step, samples/s, ETA and mean loss of the epoch in flight, over all ranks (`positions`: each rank's
+        latest heartbeat)."""
+        if not positions:
+            return None
+        epoch = max(p["epoch"] for p in positions.values())
+        current = [p for p in positions.values() if p["epoch"] == epoch and p["phase"] == "training"]
+        if not current:
+            return None
+        if epoch != self._rate_epoch:  # a new epoch: measure its rate from here
+            self._rate_epoch, self._rate_start = epoch, (time.monotonic(), sum(p["samples"] for p in current))
+        samples = sum(p["samples"] for p in current)
+        elapsed = time.monotonic() - self._rate_start[0]
+        rate = (samples - self._rate_start[1]) / elapsed if elapsed > 0 else 0.0
+        step = min(p["steps"] for p in current)
+        eta = f", epoch ETA {(steps_per_epoch - step) * (samples / max(step, 1)) / rate:.0f}s" if rate > 0 else ""
+        losses = [p["loss"] for p in current if p["loss"] == p["loss"]]  # NaN before a rank's first step
+        loss = f", loss {statistics.fmean(losses):.4f}" if losses else ""
+        return f"epoch {epoch}/{self.total_epochs}: step {step}/{steps_per_epoch}, {rate:,.0f} samples/s{eta}{loss}"
+
+    def show_progress(self, positions: dict[int, dict], steps_per_epoch: int) -> None:
+        if self.interactive and (line := self.progress_line(positions, steps_per_epoch)):
+            sys.stderr.write(f"\r\033[K  {line}")
+            sys.stderr.flush()

@@ -1,0 +1,105 @@
+"""One epoch's record from every rank's message: the numbers metrics.jsonl holds, and the stragglers.
+
+Pure functions of the ranks' messages (see ``WorkerLoop.report_epoch``): no Ray, no files.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from raytrain_ddp.config import TrainConfig
+
+STRAGGLER_MIN_EXCESS_S = 0.25  # below this, waiting is noise, not a bottleneck
+
+
+def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
+    """The cross-rank record of one epoch, its stragglers included."""
+    ranks = [by_rank[r] for r in sorted(by_rank)]
+    samples = [m["samples"] for m in ranks]
+    losses = [m["train_loss"] for m in ranks]
+    seconds = max(m["train_seconds"] for m in ranks)
+    first = ranks[0]
+    record = {
+        "epoch": first["epoch"],
+        "train_loss": sum(l * n for l, n in zip(losses, samples)) / sum(samples),
+        "train_loss_min": min(losses),
+        "train_loss_max": max(losses),
+        "train_loss_per_rank": losses,
+        "val_loss": first["val_loss"],
+        "val_accuracy": first["val_accuracy"],
+        "val_rows": first["val_rows"],
+        "val_loss_per_rank": [m["val_loss"] for m in ranks],
+        "val_accuracy_per_rank": [m["val_accuracy"] for m in ranks],
+        "val_identical_across_ranks": len(validation_results(ranks)) == 1,
+        "world_size": len(ranks),
+        "global_batch_size": config.global_batch_for(len(ranks)),
+        "samples_per_second": sum(samples) / seconds,
+        "samples_per_rank": samples,
+        "micro_batches_per_rank": [m["micro_batches"] for m in ranks],
+        "steps_per_rank": [m["micro_batches"] for m in ranks],  # the old name of micro_batches_per_rank
+        "optimizer_steps_per_rank": [m["optimizer_steps"] for m in ranks],
+        "skipped_steps_per_rank": [m["skipped_steps"] for m in ranks],
+        "grad_allreduces_per_rank": [m["grad_allreduces"] for m in ranks],
+        "lr": first["lr"],
+        "data_wait_seconds_per_rank": [round(m["data_wait_seconds"], 4) for m in ranks],
+        "step_seconds_per_rank": [round(m["step_seconds"], 5) for m in ranks],
+        "allreduce_wait_seconds_per_rank": [
+            None if m.get("allreduce_wait_seconds") is None else round(m["allreduce_wait_seconds"], 4) for m in ranks
+        ],
+        "seconds": seconds,
+    }
+    if "gpu_memory_peak_gib" in first:
+        record["gpu_memory_peak_gib_per_rank"] = [m["gpu_memory_peak_gib"] for m in ranks]
+    record["stragglers"] = find_stragglers(record)
+    return record
+
+
+def validation_results(ranks: list[dict]) -> list[tuple[float, float]]:
+    """The distinct (val_loss, val_accuracy) pairs the ranks report: one when validation agrees, as it must."""
+    return sorted({(m["val_loss"], m["val_accuracy"]) for m in ranks})
+
+
+def find_stragglers(record: dict) -> list[dict]:
+    """Ranks whose data wait stands far above the others' median, and the rank slow in compute.
+
+    In DDP a rank slow for any reason makes every rank slow: the others wait
+    for it inside the all-reduce, so their step time grows as much as its own.
+    Step time cannot name the culprit; time spent waiting for the next batch
+    can, and it says "this rank's input pipeline is the bottleneck"; so can the
+    time each rank waits inside the gradient all-reduce (the slow rank waits least).
+    """
+    waits = record.get("data_wait_seconds_per_rank") or []
+    if len(waits) < 2:
+        return []
+    median = statistics.median(waits)
+    slow_data_ranks = {
+        rank for rank, wait in enumerate(waits) if wait - median > max(0.5 * median, STRAGGLER_MIN_EXCESS_S)
+    }
+    stragglers = [
+        {
+            "rank": rank,
+            "why": f"data wait {waits[rank]:.3g}s vs median {median:.3g}s over the epoch: "
+            "its input pipeline is the bottleneck",
+        }
+        for rank in sorted(slow_data_ranks)
+    ]
+    return stragglers + _slow_in_compute(record, slow_data_ranks)
+
+
+def _slow_in_compute(record: dict, slow_in_data: set[int]) -> list[dict]:
+    """The rank the others wait for inside the gradient all-reduce: it waits least there (it arrives last),
+    unless its lateness is its data wait, flagged already."""
+    waits = record.get("allreduce_wait_seconds_per_rank") or []
+    if len(waits) < 2 or None in waits:
+        return []
+    rank = min(range(len(waits)), key=waits.__getitem__)
+    others = min(wait for other, wait in enumerate(waits) if other != rank)
+    if rank in slow_in_data or others - waits[rank] <= max(0.5 * others, STRAGGLER_MIN_EXCESS_S):
+        return []
+    return [
+        {
+            "rank": rank,
+            "why": f"all-reduce wait {waits[rank]:.3g}s while every other rank waits "
+            f">= {others:.3g}s for it over the epoch: its compute is the bottleneck",
+        }
+    ]

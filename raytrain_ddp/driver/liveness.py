@@ -1,0 +1,97 @@
+"""The watchdog's view of the workers: where each rank was last seen, and when any rank last moved.
+
+A rank's position is what its heartbeat says: epoch, micro-batches started,
+phase, and the progress inside the phase (validation batches done, the
+checkpoint stage reached), so a long validation pass or checkpoint that keeps
+moving is never taken for a hang, and one that stops is named with where it
+stopped. Deadlines run on the monotonic clock: a wall-clock step (NTP, a
+suspended VM) neither fires nor postpones them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from raytrain_ddp.worker.metrics import CHECKPOINT_STAGES
+
+# Within an epoch: the earlier phase is behind (compiling happens inside training, or validation's first batch).
+PHASE_ORDER = {"starting": 0, "training": 1, "compiling": 1, "validating": 2, "checkpointing": 3}
+
+
+def describe_phase(progress: dict) -> str:
+    """A heartbeat's phase in words, with its progress: 'validating (3 batches done)', 'checkpointing (saving)'."""
+    phase, done = progress["phase"], progress["phase_done"]
+    if phase == "validating":
+        return f"validating ({done} batch{'es' if done != 1 else ''} done)"
+    if phase == "checkpointing":
+        return f"checkpointing ({CHECKPOINT_STAGES[done]})"
+    return phase
+
+
+class Liveness:
+    """Per-rank positions from the heartbeats, the time of the last news, and the watchdog's verdicts."""
+
+    def __init__(self) -> None:
+        self.positions: dict[int, dict] = {}  # rank -> its latest heartbeat, with "position" and "moved_at"
+        self.last_news = time.monotonic()  # when any rank last said it was moving
+        self.hangs: list[str] = []  # the watchdog's verdicts
+
+    def heard(self) -> None:
+        """News that is not a heartbeat (a rank started, finished an epoch): the run is moving."""
+        self.last_news = time.monotonic()
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_news
+
+    def track(self, rank: int, progress: dict) -> None:
+        """Heartbeats come every second, moving or not: news is a rank whose position changed.
+
+        `progress["time"]` is when the monitor received it, on the monotonic clock of the driver's node.
+        """
+        position = (progress["epoch"], progress["steps"], progress["phase"], progress["phase_done"])
+        previous = self.positions.get(rank)
+        if previous is None or previous["position"] != position:
+            progress["moved_at"] = progress["time"]
+            self.heard()
+        else:
+            progress["moved_at"] = previous["moved_at"]
+        progress["position"] = position
+        self.positions[rank] = progress
+
+    def forget(self, ranks) -> None:
+        """Ranks that are gone (restarted, on a lost node) have no position until they report again."""
+        for rank in ranks:
+            self.positions.pop(rank, None)
+
+    @property
+    def any_rank_reported(self) -> bool:
+        return bool(self.positions)
+
+    @property
+    def any_rank_compiling(self) -> bool:
+        return any(p["phase"] == "compiling" for p in self.positions.values())
+
+    def _behind_first(self, rank: int) -> tuple:
+        p = self.positions[rank]
+        return p["epoch"], p["steps"], PHASE_ORDER.get(p["phase"], 0), p["phase_done"]
+
+    def stuck_rank(self) -> int | None:
+        """The rank furthest behind (epoch, micro-batches started, phase, progress in it): the likeliest culprit
+        of a stall."""
+        return min(self.positions, key=self._behind_first) if self.positions else None
+
+    def describe_stall(self, workers: dict[int, dict]) -> str:
+        """Where each rank was last seen, behind-most first: the stuck rank leads. `workers`: rank -> its facts."""
+        seen = sorted(self.positions, key=lambda rank: (self._behind_first(rank), self.positions[rank]["time"]))
+        now = time.monotonic()
+        parts = []
+        for rank in seen:
+            p = self.positions[rank]
+            host = workers.get(rank, {}).get("hostname", "?")
+            parts.append(
+                f"rank {rank} on {host}: {describe_phase(p)}, epoch {p['epoch']} step {p['steps']}, "
+                f"unchanged for {now - p['moved_at']:.0f}s"
+            )
+        silent = [r for r in sorted(workers) if r not in self.positions]
+        parts += [f"rank {r} on {workers[r].get('hostname', '?')}: no news since it started" for r in silent]
+        return "; ".join(parts) or "no worker has reported yet"

@@ -1,0 +1,207 @@
+"""The driver's parts that turn worker news into records and verdicts, in-process and without Ray."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from raytrain_ddp import TrainConfig
+from raytrain_ddp.driver.epochs import aggregate_epoch, find_stragglers
+from raytrain_ddp.driver.liveness import Liveness
+from raytrain_ddp.driver.monitor import RunRecorder
+from raytrain_ddp.driver.run_files import MetricsFile
+
+
+def _rank_message(rank: int, **overrides) -> dict:
+    """What `WorkerLoop.report_epoch` sends for one rank."""
+    message = {
+        "epoch": 1,
+        "rank": rank,
+        "train_loss": 1.0 + rank,
+        "samples": 100 * (rank + 1),
+        "micro_batches": 4,
+        "steps": 4,
+        "optimizer_steps": 4,
+        "skipped_steps": 0,
+        "grad_allreduces": 4,
+        "lr": 0.1,
+        "train_seconds": 2.0 + rank,
+        "data_wait_seconds": 0.01,
+        "step_seconds": 0.1,
+        "val_loss": 0.5,
+        "val_accuracy": 0.9,
+        "val_rows": 64,
+        "allreduce_wait_seconds": 0.2,
+    }
+    return {**message, **overrides}
+
+
+METRICS_FIELDS = [
+    "epoch",
+    "train_loss",
+    "train_loss_min",
+    "train_loss_max",
+    "train_loss_per_rank",
+    "val_loss",
+    "val_accuracy",
+    "val_rows",
+    "val_loss_per_rank",
+    "val_accuracy_per_rank",
+    "val_identical_across_ranks",
+    "world_size",
+    "global_batch_size",
+    "samples_per_second",
+    "samples_per_rank",
+    "micro_batches_per_rank",
+    "steps_per_rank",
+    "optimizer_steps_per_rank",
+    "skipped_steps_per_rank",
+    "grad_allreduces_per_rank",
+    "lr",
+    "data_wait_seconds_per_rank",
+    "step_seconds_per_rank",
+    "allreduce_wait_seconds_per_rank",
+    "seconds",
+    "stragglers",
+]
+
+
+def test_an_epoch_record_weighs_ranks_by_samples_and_keeps_every_field():
+    record = aggregate_epoch({1: _rank_message(1), 0: _rank_message(0)}, TrainConfig(batch_size=8, grad_accum=2))
+    assert list(record) == METRICS_FIELDS
+    assert record["train_loss"] == pytest.approx((1.0 * 100 + 2.0 * 200) / 300)
+    assert (record["train_loss_min"], record["train_loss_max"]) == (1.0, 2.0)
+    assert record["train_loss_per_rank"] == [1.0, 2.0]  # in rank order, whatever order they came in
+    assert record["world_size"] == 2 and record["global_batch_size"] == 8 * 2 * 2
+    assert record["seconds"] == 3.0 and record["samples_per_second"] == 100.0  # the slowest rank's time
+    assert record["val_identical_across_ranks"] and record["stragglers"] == []
+
+
+def test_an_epoch_record_says_when_validation_differs_and_keeps_gpu_memory():
+    by_rank = {
+        0: _rank_message(0, gpu_memory_peak_gib=1.5),
+        1: _rank_message(1, val_accuracy=0.8, gpu_memory_peak_gib=2),
+    }
+    record = aggregate_epoch(by_rank, TrainConfig())
+    assert not record["val_identical_across_ranks"]
+    assert record["gpu_memory_peak_gib_per_rank"] == [1.5, 2]
+
+
+def test_stragglers_name_the_slow_input_pipeline_and_the_slow_compute():
+    slow_data = {"data_wait_seconds_per_rank": [0.1, 3.0, 0.1], "allreduce_wait_seconds_per_rank": [1.0, 1.0, 1.0]}
+    assert [s["rank"] for s in find_stragglers(slow_data)] == [1]
+    slow_compute = {"data_wait_seconds_per_rank": [0.1, 0.1], "allreduce_wait_seconds_per_rank": [2.0, 0.1]}
+    (straggler,) = find_stragglers(slow_compute)
+    assert straggler["rank"] == 1 and "its compute is the bottleneck" in straggler["why"]
+    no_wait_measured = {"data_wait_seconds_per_rank": [0.1, 0.1], "allreduce_wait_seconds_per_rank": [None, None]}
+    assert find_stragglers(no_wait_measured) == []
+
+
+def _beat(epoch: int, steps: int, phase: str, phase_done: int = 0) -> dict:
+    """A heartbeat as the monitor hands it over."""
+    return {"epoch": epoch, "steps": steps, "samples": 0, "loss": 1.0, "phase": phase, "phase_done": phase_done}
+
+
+def _quiet_for_a_while(liveness: Liveness) -> None:
+    liveness.last_news -= 1000  # as if nothing had moved for 1000 s
+
+
+def test_a_long_phase_that_reports_progress_is_not_a_stall_and_one_that_stops_is():
+    liveness = Liveness()
+    liveness.track(0, {**_beat(1, 8, "validating", 1), "time": 1.0})
+    _quiet_for_a_while(liveness)
+    liveness.track(0, {**_beat(1, 8, "validating", 2), "time": 2.0})  # same phase, one batch more: it moves
+    assert liveness.silent_for() < 1000
+    _quiet_for_a_while(liveness)
+    liveness.track(0, {**_beat(1, 8, "validating", 2), "time": 3.0})  # the same place again: no news
+    assert liveness.silent_for() >= 1000
+    assert liveness.positions[0]["moved_at"] == 2.0
+    for stage in (1, 2):  # checkpoint stages move too
+        _quiet_for_a_while(liveness)
+        liveness.track(0, {**_beat(1, 8, "checkpointing", stage), "time": 3.0 + stage})
+        assert liveness.silent_for() < 1000
+
+
+def test_a_stall_inside_validation_names_the_rank_behind_and_its_progress():
+    liveness = Liveness()
+    liveness.track(0, {**_beat(2, 8, "validating", 5), "time": 1.0})  # done, waiting in the all-reduce
+    liveness.track(1, {**_beat(2, 8, "validating", 2), "time": 1.0})
+    liveness.track(2, {**_beat(2, 8, "checkpointing", 1), "time": 1.0})
+    workers = {rank: {"hostname": f"node-{rank}"} for rank in range(4)}
+    assert liveness.stuck_rank() == 1
+    verdict = liveness.describe_stall(workers)
+    assert verdict.startswith("rank 1 on node-1: validating (2 batches done), epoch 2 step 8, unchanged for ")
+    assert "rank 0 on node-0: validating (5 batches done)" in verdict
+    assert "rank 2 on node-2: checkpointing (saving), epoch 2 step 8" in verdict
+    assert verdict.endswith("rank 3 on node-3: no news since it started")
+
+
+def test_in_training_the_rank_that_started_fewer_micro_batches_is_the_stuck_one():
+    liveness = Liveness()
+    liveness.track(0, {**_beat(1, 4, "training"), "time": 1.0})  # waits in the all-reduce of micro-batch 4
+    liveness.track(1, {**_beat(1, 3, "training"), "time": 1.0})
+    assert liveness.stuck_rank() == 1
+    assert not liveness.any_rank_compiling
+    liveness.track(0, {**_beat(1, 4, "compiling"), "time": 2.0})
+    assert liveness.any_rank_compiling
+
+
+def test_the_recorder_turns_a_whole_epoch_into_metrics_jsonl_and_counts_restarts(tmp_path, caplog):
+    config = TrainConfig(num_workers=2, epochs=2, storage_path=str(tmp_path), name="unit")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+    started = [("started", rank, {"rank": rank, "world_size": 2, "hostname": "h", "node_id": "n"}) for rank in (0, 1)]
+    with caplog.at_level("INFO", logger="raytrain_ddp"):
+        recorder.consume(started + [("progress", 0, {**_beat(1, 1, "training"), "time": 1.0})])
+        recorder.consume([("epoch", 0, _rank_message(0))])
+        assert recorder.epochs == {}  # half an epoch: nothing written
+        recorder.consume([("epoch", 1, _rank_message(1)), ("finished", 0, "abc")])
+    lines = (config.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1]
+    assert recorder.checksums == {0: "abc"} and recorder.restarts == 0
+    assert "epoch  train loss (min..max over ranks)" in caplog.text
+    assert MetricsFile(config.run_dir).read() == recorder.epochs  # what a resumed run reads back
+    assert not (config.run_dir / "metrics.jsonl.tmp").exists()
+    recorder.consume([("started", 0, {"rank": 0, "world_size": 1, "hostname": "h", "node_id": "n"})])
+    assert recorder.restarts == 1 and recorder.world_size == 1 and list(recorder.workers) == [0]
+    assert RunRecorder(config.run_dir, config, 512, 2, []).epochs == recorder.epochs
+
+
+def test_the_heartbeat_posts_validation_progress_and_compilation_as_a_phase(monkeypatch):
+    import torch
+    from torch._dynamo.callback import callback_handler
+
+    from raytrain_ddp.worker.metrics import EpochMeter, Heartbeat
+
+    posted: list[tuple] = []
+    seen = {phase: threading.Event() for phase in ("validating", "compiling", "training")}
+
+    def post(rank, epoch, micro_batches_started, samples, loss, phase, phase_done):
+        posted.append((phase, phase_done))
+        if phase in seen:
+            seen[phase].set()
+
+    monkeypatch.setattr(Heartbeat, "INTERVAL_S", 0.02)
+    heartbeat = Heartbeat(post, rank=0)
+    heartbeat.at("validating", 1, EpochMeter())
+    heartbeat.advance(3)
+    assert seen["validating"].wait(30)
+    assert ("validating", 3) in posted
+    heartbeat.at("training", 1, EpochMeter())
+    heartbeat.follow_compiles()
+
+    def hold_compilation_until_posted(_args) -> None:  # runs after the heartbeat's own start callback
+        assert seen["compiling"].wait(30)
+
+    callback_handler.register_start_callback(hold_compilation_until_posted)
+    try:
+        torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    finally:
+        for callback in (hold_compilation_until_posted, heartbeat._compile_started):
+            callback_handler.remove_start_callback(callback)
+        callback_handler.remove_end_callback(heartbeat._compile_ended)
+    assert seen["compiling"].is_set()
+    seen["training"].clear()
+    assert seen["training"].wait(30)  # compiled: back to the phase it interrupted
