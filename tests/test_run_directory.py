@@ -100,12 +100,16 @@ def _leave_lock(run_dir, age_s: float = 0, **holder) -> None:
         ({"host": socket.gethostname(), "pid": os.getpid()}, 10_000, False),  # alive on this host: never stale
         ({"host": "node-elsewhere", "pid": 4242}, 60, False),
         ({"host": "node-elsewhere", "pid": 4242}, 10_000, True),  # no heartbeat for hours
+        ({"host": "node-elsewhere", "pid": 4242, "slurm_job": [777, 0]}, 60, True),  # this job, before its requeue
+        ({"host": "node-elsewhere", "pid": 4242, "slurm_job": [778, 0]}, 60, False),  # another job
     ],
-    ids=["dead-pid", "reused-pid", "live-pid", "other-host-beating", "other-host-silent"],
+    ids=["dead-pid", "reused-pid", "live-pid", "other-host-beating", "other-host-silent", "requeued", "other-job"],
 )
-def test_a_lock_is_taken_over_only_when_stale(tmp_path, caplog, holder, age_s, stale):
+def test_a_lock_is_taken_over_only_when_stale(tmp_path, caplog, monkeypatch, holder, age_s, stale):
     from raytrain_ddp.driver.run_lock import RunLock
 
+    monkeypatch.setenv("SLURM_JOB_ID", "777")  # a requeued job keeps its id and counts its restarts
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     run_dir = tmp_path / "run"
     holder = {**holder, "pid": _dead_pid() if holder["pid"] == "dead" else holder["pid"]}
     _leave_lock(run_dir, age_s, **holder)

@@ -8,7 +8,9 @@ driver that died (SIGKILL, a lost node) is taken over only when it is stale:
 
 * on the same host, when its pid is gone (or is now another process);
 * from another host, where the pid cannot be checked, when its heartbeat is
-  older than STALE_AFTER_S.
+  older than STALE_AFTER_S;
+* when it is this Slurm job's own, from before the job was requeued (same job
+  id, lower SLURM_RESTART_COUNT): Slurm ended that incarnation before this one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
+def _slurm_job() -> list[int] | None:
+    """[job id, restart count] of the Slurm job this driver runs in, if any."""
+    job, restarts = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_RESTART_COUNT", "0")
+    return [int(job), int(restarts)] if job.isdigit() and restarts.isdigit() else None
+
+
 def _alive(pid: int, start: str | None) -> bool:
     try:
         os.kill(pid, 0)
@@ -73,6 +81,9 @@ def _heartbeat_age(path: Path) -> float:
 def why_stale(path: Path, holder: dict) -> str | None:
     """Why the lock `holder` read from `path` may be taken over, or None while its driver may still run."""
     age = _heartbeat_age(path)
+    job, theirs = _slurm_job(), holder.get("slurm_job")
+    if job and isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == job[0] and theirs[1] < job[1]:
+        return f"it is this Slurm job's (job {job[0]}) from before it was requeued"
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
         if not _alive(holder["pid"], holder.get("pid_start")):
             return f"its process {holder['pid']} on this host is gone"
@@ -133,6 +144,7 @@ class RunLock:
             "pid": os.getpid(),
             "pid_start": _process_start(os.getpid()),
             "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "slurm_job": _slurm_job(),
             "token": self.token,
         }
         with os.fdopen(fd, "w") as file:
