@@ -95,7 +95,7 @@ def why_stale(path: Path, holder: dict) -> str | None:
 
 def describe(holder: dict) -> str:
     if not holder:
-        return "a driver that is starting (the lock file is still empty)"
+        return "a driver whose lock file is empty or unreadable (one starting right now, or one that died)"
     return f"process {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('started', '?')})"
 
 
