@@ -353,7 +353,7 @@ def _train(
     except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
         error = recorder.abort_reason or f"the Ray Train controller died: {one_line(err)}"
     except Exception as err:  # the controller itself failed: the run still ends with a summary
-        log.exception("Ray Train failed")
+        progress_log.info("Ray Train failed", exc_info=True)  # the traceback in driver.log; the console: one line
         error = f"{type(err).__name__}: {_last_line(str(err))}"
     finally:
         stop_signal.training_over = True
