@@ -127,6 +127,20 @@ def test_a_lock_is_taken_over_only_when_stale(tmp_path, caplog, monkeypatch, hol
     assert os.listdir(run_dir) == []
 
 
+def test_an_empty_lock_file_is_taken_over_only_once_old(tmp_path):
+    from raytrain_ddp.driver.run_lock import STALE_AFTER_S, RunLock
+
+    path = tmp_path / "driver.lock"
+    path.write_text("")  # a driver between creating the file and writing it, or one that died there
+    with pytest.raises(ConfigError, match="in use by a driver whose lock file is empty or unreadable"):
+        RunLock(tmp_path).acquire()
+    os.utime(path, (path.stat().st_mtime - STALE_AFTER_S - 60,) * 2)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+
+
 # ------------------------------------------------------------------ 16.6 a name reused for other work
 def _finished_run(tmp_path, **changes) -> TrainConfig:
     config = _config(tmp_path, **changes)

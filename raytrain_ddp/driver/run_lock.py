@@ -123,7 +123,7 @@ class RunLock:
             holder = _read(self.path)
             if holder is None:
                 continue  # released just now
-            why = why_stale(self.path, holder) if holder else None
+            why = why_stale(self.path, holder)
             if why is None:
                 self._drop_created_dir()
                 raise ConfigError(
