@@ -116,7 +116,6 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
             preflight.check_local_capacity(config)
             cpus = preflight.local_cpus(config)
             log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
-            options.update(preflight.private_local_ray())
             context = preflight.init_ray("local", include_dashboard=True, num_cpus=cpus, **options)
         url = context.dashboard_url
     else:

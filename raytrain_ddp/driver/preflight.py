@@ -11,9 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
 import socket
-import tempfile
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -47,26 +45,6 @@ def init_ray(address: str, **options):
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = {"local": "a new local instance", "auto": "this machine"}.get(address, address)
         raise ConfigError(f"cannot connect to the Ray cluster at {where}: {first_line}") from None
-
-
-LOOPBACK = "127.0.0.1"
-
-
-def private_local_ray() -> dict:
-    """ray.init options for a Ray started here, kept from other users of the machine: its listeners on
-    loopback only, and (unless a token is given) a fresh login token in a file only its owner can read.
-
-    Left alone, Ray listens on every interface and writes its token to ~/.ray/auth_token world-readable,
-    reusing it for every later cluster.
-    """
-    token_auth = os.environ.get("RAY_AUTH_MODE", "token").lower() == "token"  # Ray's default for a new cluster
-    if token_auth and not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-        path = os.path.join(tempfile.mkdtemp(prefix="raytrain-ddp-ray-"), "auth_token")  # a 0700 directory
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as file:
-            file.write(secrets.token_hex(32))  # as Ray makes its own: 256 bits
-        os.environ["RAY_AUTH_TOKEN_PATH"] = path  # Ray's processes, started from this one, read it too
-    return {"_node_ip_address": LOOPBACK}
 
 
 def node_table() -> list[dict]:
