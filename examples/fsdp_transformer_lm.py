@@ -1,7 +1,10 @@
 """FSDP with one flag: a decoder-only transformer language model, sharded across the workers.
 
-    python examples/fsdp_transformer_lm.py            # 2 CPU workers (gloo); the same code runs on GPUs
+    python examples/fsdp_transformer_lm.py                        # 2 CPU workers (gloo), fp32
+    python examples/fsdp_transformer_lm.py --use-gpu --num-workers 4  # GPUs (NCCL): bf16
     python -m raytrain_ddp.run --model transformer --dataset synthetic-tokens --strategy fsdp --precision bf16
+
+Any trainer flag after the script name overrides the settings below.
 
 With --strategy fsdp every worker keeps 1/N of each parameter, gradient and
 optimizer state, and gathers one transformer block's weights just before it
@@ -13,15 +16,19 @@ state dict gathered on rank zero: it loads into a plain single-process model
 """
 
 import math
+import sys
 
 from raytrain_ddp import TrainConfig, fit
+from raytrain_ddp.run import settings_from_args
 
-config = TrainConfig(
+flags = settings_from_args(sys.argv[1:])  # e.g. --use-gpu --num-workers 4 --epochs 5
+settings = dict(
     num_workers=2,
     model="transformer",  # 4 blocks, width 128: FSDP shards each block, then the root
     dataset="synthetic-tokens",  # sequences with a per-sequence stride: learnable from context
     strategy="fsdp",
-    precision="bf16",  # autocast; fp16 adds a gradient scaler
+    # bf16 autocast on GPUs (FSDP all-gathers in bf16, reduces in fp32); CPUs without bf16 units emulate it, slowly
+    precision="bf16" if flags.get("use_gpu") else "fp32",
     optimizer="adamw",
     lr=0.003,
     lr_schedule="cosine",
@@ -34,7 +41,7 @@ config = TrainConfig(
     name="fsdp-lm",
     report=False,
 )
-result = fit(config)
+result = fit(TrainConfig(**{**settings, **flags}))
 
 print("status:", result.summary["status"])
 print(f"uniform guess: loss {math.log(64):.2f}")

@@ -22,6 +22,9 @@ from typing import Any
 
 import ray
 
+from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.files import write_atomic
+
 log = logging.getLogger("raytrain_ddp")
 
 TESTED_RAY = ("2.60", "2.61")  # from, up to (excluded): the `ray[...]>=2.60,<2.61` of pyproject.toml
@@ -159,7 +162,15 @@ def has_snapshot(run_dir: Path) -> bool:
 
 def read_snapshot(run_dir: Path) -> dict | None:
     path = run_dir / SNAPSHOT_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # cut short: Ray Train could not resume from it either
+        raise ConfigError(
+            f"{path} is unreadable ({one_line(err)}): Ray Train cannot tell which checkpoint to resume from; "
+            "move it aside to start this run again from epoch 1, or choose another --name"
+        ) from None
 
 
 def write_snapshot(run_dir: Path, state: dict) -> None:
@@ -167,9 +178,7 @@ def write_snapshot(run_dir: Path, state: dict) -> None:
     from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
 
     text = _CheckpointManagerState.parse_obj(state).json()  # as Ray Train itself reads and writes it
-    tmp = run_dir / (SNAPSHOT_FILE + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(run_dir / SNAPSHOT_FILE)
+    write_atomic(run_dir / SNAPSHOT_FILE, text)
 
 
 def new_snapshot(checkpoint_dir_name: str, metrics: dict) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from raytrain_ddp.redact import redact
+
 EXIT_BAD_INPUT = 2  # bad input or a request the cluster cannot hold: nothing was started
 
 
@@ -17,8 +19,8 @@ class ConfigError(ValueError):
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception's message squeezed onto one line (pyarrow messages span several)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
+    """An exception's message squeezed onto one line (pyarrow messages span several), credentials masked."""
+    return redact(" ".join(str(exc).split())) or type(exc).__name__
 
 
 def bad_input(err: BaseException) -> int:

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.errors import OneLineErrorParser, bad_input
+from raytrain_ddp.files import write_atomic
+from raytrain_ddp.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -668,11 +670,8 @@ def write_report(run_dir: Path | str) -> Path:
     for stale in ALL_PLOT_FILES - made:  # a plot this run no longer has data for
         (out / stale).unlink(missing_ok=True)
     for plot in plots:
-        (out / plot.file).write_bytes(plot.png)
-    index = out / INDEX
-    tmp = index.with_suffix(".html.tmp")
-    tmp.write_text(render_html(run, plots), encoding="utf-8")
-    tmp.replace(index)
+        write_atomic(out / plot.file, plot.png)
+    index = write_atomic(out / INDEX, redact(render_html(run, plots)))  # also run dirs older than redaction
     log.debug("report for %s: %s (%d plots)", run.run_dir, index, len(plots))
     return index
 

@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from raytrain_ddp.config import TrainConfig, _field_type, load_toml
 from raytrain_ddp.driver.signals import hold_early_stop_signals
 from raytrain_ddp.errors import EXIT_BAD_INPUT, ConfigError, OneLineErrorParser, bad_input  # noqa: F401 (exit codes)
+from raytrain_ddp.redact import RedactFilter
 
 EXAMPLES = """\
 examples:
@@ -79,6 +80,8 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     hold_early_stop_signals()  # before torch and Ray import: a Slurm USR1 then must not kill us
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:  # the console: Ray's and every module's lines, credentials masked
+        handler.addFilter(RedactFilter())
     try:
         config = config_from_args(argv).validate()
         from raytrain_ddp.driver.fit import fit  # imports Ray and torch: after the cheap checks

@@ -74,6 +74,11 @@ CASES = [
         "cannot connect to the Ray cluster at 127.0.0.1:1: Connection refused",
     ),
     (
+        "secret-in-a-message",
+        ["--resume-from", "s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ckpt"],
+        "--resume-from 's3://***@bucket/ckpt' does not exist",
+    ),
+    (
         "resume-from-missing",
         ["--resume-from", "/no/such/checkpoint"],
         "--resume-from '/no/such/checkpoint' does not exist",

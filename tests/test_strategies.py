@@ -102,57 +102,39 @@ def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step(ray_addres
 
 # ------------------------------------------------------------------ FSDP
 def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_address, tmp_path):
+    """fp32: this CPU has no bf16 units (emulated bf16 is several times slower); bf16 x FSDP runs in the flag
+    matrix (tests/test_flag_matrix.py)."""
     from raytrain_ddp import fit
     from raytrain_ddp.evaluate import evaluate_checkpoint
 
-    config = _config(
-        tmp_path,
-        "fsdp-lm",
+    settings = dict(
         model="transformer",
         dataset="synthetic-tokens",
         strategy="fsdp",
-        precision="bf16",
         optimizer="adamw",
         lr=0.003,
-        epochs=2,
-        train_size=2048,
-        val_size=256,
+        train_size=1024,
+        val_size=128,
         clip_grad_norm=1.0,
     )
-    result = fit(config)
+    result = fit(_config(tmp_path, "fsdp-lm", epochs=2, **settings))
     assert result.ok, result.summary["error"]
     first, last = result.epochs
     assert first["train_loss"] < math.log(64)  # below a uniform guess over the vocabulary...
-    assert last["val_loss"] < 0.65 * math.log(64)  # ...and clearly below it after two epochs
+    assert last["val_loss"] < 0.75 * math.log(64)  # ...and clearly below it after two epochs
     assert last["val_identical_across_ranks"]
     assert result.summary["replicas_identical"]
 
     # The gathered checkpoint is a plain state dict: a single-process model gives the same numbers.
     scored = evaluate_checkpoint(result.best_checkpoint)
-    assert scored["val_loss"] == pytest.approx(last["val_loss"], rel=2e-2)  # bf16 in training, fp32 here
-    assert scored["val_rows"] == 256
+    assert scored["val_loss"] == pytest.approx(last["val_loss"], rel=1e-3)
+    assert scored["val_rows"] == 128
 
     # Continue the same run on ONE worker: the full state dict reshards to any world size.
-    resumed = fit(
-        _config(
-            tmp_path,
-            "fsdp-lm",
-            model="transformer",
-            dataset="synthetic-tokens",
-            strategy="fsdp",
-            precision="bf16",
-            optimizer="adamw",
-            lr=0.003,
-            epochs=3,
-            train_size=2048,
-            val_size=256,
-            clip_grad_norm=1.0,
-            num_workers=1,
-        )
-    )
+    resumed = fit(_config(tmp_path, "fsdp-lm", epochs=3, num_workers=1, **settings))
     assert resumed.ok, resumed.summary["error"]
     assert [r["epoch"] for r in _records(resumed.run_dir)] == [1, 2, 3]
-    assert resumed.epochs[-1]["samples_per_rank"] == [2048]
+    assert resumed.epochs[-1]["samples_per_rank"] == [1024]
     assert resumed.epochs[-1]["val_loss"] < last["val_loss"]
 
 

@@ -24,18 +24,20 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
-from raytrain_ddp.config import TrainConfig, is_import_path, to_toml
+from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
-from raytrain_ddp.driver import dashboard, preflight, run_checkpoints
+from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock
 from raytrain_ddp.driver.failures import Trainer
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
+from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
 from raytrain_ddp.worker.hooks import hooks_from_environment
@@ -44,6 +46,8 @@ from raytrain_ddp.worker.loop import train_loop_per_worker
 log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
 progress_log.propagate = False
+for _logger in (log, progress_log):  # credentials inside URIs (--mlflow-uri, --storage-path) never reach a log
+    _logger.addFilter(RedactFilter())
 
 # How long Ray Train waits to place a worker group before it counts a controller failure and decides
 # again. Right after a node dies Ray still counts it, so the first restart asks for too many workers:
@@ -181,27 +185,6 @@ def _describe_start(
     log.info("Run directory: %s", config.run_dir)
 
 
-def _prepare_run_dir(config: TrainConfig) -> Path:
-    run_dir = config.run_dir
-    summary_path = run_dir / "summary.json"
-    finished = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    if finished.get("status") == "finished":
-        if finished["epochs_completed"] >= config.epochs:
-            raise ConfigError(
-                f"run {config.name!r} already finished in {run_dir}; choose a new --name to train "
-                f"again, or ask for more than {finished['epochs_completed']} --epochs to continue it"
-            )
-        log.info(
-            "Continuing finished run %s from epoch %d to %d",
-            config.name,
-            finished["epochs_completed"] + 1,
-            config.epochs,
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(config))
-    return run_dir
-
-
 def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     """Console output for scripts and notebooks that set up no logging; a full log in the run dir."""
     if not logging.getLogger().handlers and not log.handlers:
@@ -209,6 +192,7 @@ def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
     log.setLevel(logging.INFO)
     log_file = logging.FileHandler(run_dir / "driver.log")
     log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log_file.addFilter(RedactFilter())  # records of child loggers too (they skip the parent's own filters)
     log.addHandler(log_file)
     progress_log.setLevel(logging.INFO)
     progress_log.addHandler(log_file)
@@ -298,7 +282,7 @@ def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> Fi
     model, data and loss, as --model/--dataset/--loss import paths do on the CLI.
     """
     config.validate()
-    with stop_on_signals() as stop_signal:
+    with run_lock.hold(config.run_dir), stop_on_signals() as stop_signal:
         return _fit(config, model_fn, dataset_fn, loss_fn, stop_signal)
 
 
@@ -307,6 +291,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     plugins = resolve_plugins(config, model_fn, dataset_fn, loss_fn)
     dataset_fn = plugins.pop("dataset_fn")
     dataset_label = plugins.pop("dataset_label")
+    run_directory.check(config)  # a finished run, or the name taken by other work: before Ray starts
     if not dataset_fn:
         plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
         start_state = _check_plan(config, plan, model_fn)
@@ -320,7 +305,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     start_workers = preflight.check_fits(config, nodes)
     if config.use_gpu:
         preflight.check_gpus_usable(nodes)
-    run_dir = _prepare_run_dir(config)
+    run_dir = run_directory.prepare(config)
     log_file = _log_to_console_and_file(run_dir)
     try:
         _choose_start(config, run_dir, start_state)
@@ -381,10 +366,11 @@ def _train(
             _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
         error = _describe_failure(err)
-    except ray.exceptions.RayActorError:  # the watcher ended the controller: capacity did not come back
-        if not recorder.abort_reason:
-            raise
-        error = recorder.abort_reason
+    except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
+        error = recorder.abort_reason or f"the Ray Train controller died: {one_line(err)}"
+    except Exception as err:  # the controller itself failed: the run still ends with a summary
+        progress_log.info("Ray Train failed", exc_info=True)  # the traceback in driver.log; the console: one line
+        error = f"{type(err).__name__}: {_last_line(str(err))}"
     finally:
         with interrupts_deferred():
             stop_signal.training_over = True
@@ -399,15 +385,12 @@ def _train(
 
     with interrupts_deferred():
         summary = _summary(config, recorder, result, error, stop_reason, time.time() - started, interrupted)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _link_ray_logs(run_dir)
+        _finish(config, run_dir, summary, report=not interrupted)
     if interrupted:
         raise Interrupted(
             f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {config.epochs} epochs; the workers are "
             f"stopped; run the same command again to resume from the latest checkpoint ({run_dir / 'summary.json'})"
         )
-    if config.report:
-        log.info("Report: %s", write_report(run_dir))
     if error:
         log.error("Training failed: %s", error)
     elif summary["status"] == "stopped":
@@ -426,6 +409,23 @@ def _train(
             summary["best_checkpoint"],
         )
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
+
+
+def _finish(config: TrainConfig, run_dir: Path, summary: dict, report: bool) -> None:
+    """summary.json (whole, credentials masked), the link to Ray's logs, the report (not after a Ctrl-C):
+    a report that fails is logged, never the run's outcome."""
+    write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")
+    _link_ray_logs(run_dir)
+    if config.report and report:
+        try:
+            log.info("Report: %s", write_report(run_dir))
+        except Exception as err:
+            log.error(
+                "The report could not be written (%s: %s); the run's results are in %s",
+                type(err).__name__,
+                one_line(err),
+                run_dir,
+            )
 
 
 def _link_ray_logs(run_dir: Path) -> None:

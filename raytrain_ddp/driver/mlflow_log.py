@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.tensorboard_log import epoch_scalars
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.redact import redact
 
 log = logging.getLogger("raytrain_ddp")
 
 EXPERIMENT = "raytrain-ddp"
+CLOSE_WAIT_S = 60
 
 
 def require_mlflow() -> None:
@@ -28,32 +32,59 @@ def require_mlflow() -> None:
 
 
 class MlflowLog:
-    """One MLflow run per training run, named after it.
+    """One MLflow run per training run, named after it, logged from a thread of its own.
 
-    Uses an explicit client and run id: epochs are logged from the driver's
-    watcher thread, where mlflow's thread-local "active run" would be another run.
+    A slow or failing tracking server never holds up the run: the driver only
+    queues each epoch's scalars (write_epoch is called from the watchdog's thread),
+    an error is logged once and MLflow is left out for the rest of the run, and
+    closing waits at most CLOSE_WAIT_S for what is still queued.
     """
 
     def __init__(self, uri: str, config: TrainConfig) -> None:
         from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
 
         if uri.startswith("file:"):  # MLflow 3 refuses its file store unless asked; a local store is what was asked
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self._client = MlflowClient(tracking_uri=uri)
-        experiment = self._client.get_experiment_by_name(EXPERIMENT)
-        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(EXPERIMENT)
-        self.run_id = self._client.create_run(experiment_id, run_name=config.name).info.run_id
-        params = [Param(key, str(value)) for key, value in config.to_dict().items() if value is not None]
-        self._client.log_batch(self.run_id, params=params)
-        log.info("MLflow: run %s in experiment %r at %s", self.run_id, EXPERIMENT, uri)
+        self.shown_uri = redact(uri)
+        params = [Param(key, redact(str(value))) for key, value in config.to_dict().items() if value is not None]
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._log, args=(uri, config.name, params), name="mlflow-log", daemon=True
+        )
+        self._thread.start()
+
+    def _log(self, uri: str, name: str, params: list) -> None:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            experiment = client.get_experiment_by_name(EXPERIMENT)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
+            run_id = client.create_run(experiment_id, run_name=name).info.run_id
+            client.log_batch(run_id, params=params)
+            log.info("MLflow: run %s in experiment %r at %s", run_id, EXPERIMENT, self.shown_uri)
+            while (item := self._queue.get())[0] == "epoch":
+                now_ms = int(time.time() * 1000)
+                record = item[1]
+                metrics = [Metric(key, value, now_ms, record["epoch"]) for key, value in epoch_scalars(record).items()]
+                client.log_batch(run_id, metrics=metrics)
+            client.set_terminated(run_id, status=item[1])
+        except Exception as err:  # the server, the network, a credential: the training goes on
+            log.error(
+                "MLflow at %s failed (%s: %s): the run goes on without MLflow",
+                self.shown_uri,
+                type(err).__name__,
+                one_line(err)[:300],
+            )
 
     def write_epoch(self, record: dict) -> None:
-        from mlflow.entities import Metric
-
-        now_ms = int(time.time() * 1000)
-        metrics = [Metric(key, value, now_ms, record["epoch"]) for key, value in epoch_scalars(record).items()]
-        self._client.log_batch(self.run_id, metrics=metrics)
+        self._queue.put(("epoch", record))
 
     def close(self, status: str = "FINISHED") -> None:
-        self._client.set_terminated(self.run_id, status=status)
+        self._queue.put(("close", status))
+        self._thread.join(CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            log.warning(
+                "MLflow at %s has not answered for %ds: the run ends without waiting", self.shown_uri, CLOSE_WAIT_S
+            )

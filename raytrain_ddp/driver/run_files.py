@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write, flush and fsync a temporary file, then rename it over `path`: a reader (or a crash) sees the old
-    file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    tmp.replace(path)
+from raytrain_ddp.files import write_atomic
 
 
 class MetricsFile:
@@ -33,4 +23,4 @@ class MetricsFile:
 
     def write(self, epochs: dict[int, dict]) -> None:
         """Every epoch's record in epoch order (an epoch re-run after a restart has replaced its record)."""
-        write_atomically(self.path, "".join(json.dumps(epochs[e]) + "\n" for e in sorted(epochs)))
+        write_atomic(self.path, "".join(json.dumps(epochs[e]) + "\n" for e in sorted(epochs)))

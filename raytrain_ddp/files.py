@@ -1,0 +1,46 @@
+"""The one way files of a run are written: whole or not at all.
+
+A reader (a resumed run, the report, a user's script) never meets a half-written
+file, even when the writer is killed or the node loses power mid-write: the
+bytes go to a temporary file beside the target, are flushed and fsynced, and
+replace the target in one rename (atomic on POSIX filesystems, NFS and Lustre
+included); the directory is fsynced so the rename itself survives a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write `data` (text as UTF-8) to `path` atomically; return the path."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    # Unique per writer: two processes writing the same file never share a temporary file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as file:
+            file.write(payload)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # a filesystem that cannot open directories (some FUSE mounts): the rename stands
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not supported for directories there
+    finally:
+        os.close(fd)
