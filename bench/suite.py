@@ -82,7 +82,7 @@ class Sizes:
 
 
 QUICK = Sizes(  # the smallest that still has a steady-state window (micro-batches 10.. of 32 per epoch)
-    train_size=1024, val_size=64, epochs=2, batch_size=16, repeats=1, ingest_rows=4096, ingest_epochs=4, loader_cpus=2
+    train_size=1024, val_size=64, epochs=2, batch_size=16, repeats=1, ingest_rows=8192, ingest_epochs=5, loader_cpus=2
 )
 FULL = Sizes(
     train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_rows=32768, ingest_epochs=8, loader_cpus=2
