@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return bad_input(err)
     except KeyboardInterrupt as interrupt:  # fit()'s says how far the run got; before it, there is nothing to say
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\033[K")  # the line on its own, not after a progress line
         print(str(interrupt) or "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if result.stopped:
