@@ -242,7 +242,7 @@ def test_a_failing_report_leaves_a_finished_run_finished(tmp_path, caplog):
     config.run_dir.mkdir(parents=True)
     (config.run_dir / "report").write_text("a file where the report directory goes")
     with caplog.at_level(logging.ERROR, logger="raytrain_ddp"):
-        _finish(config, config.run_dir, {"status": "finished", "epochs_completed": 2})
+        _finish(config, config.run_dir, {"status": "finished", "epochs_completed": 2}, report=True)
     assert "The report could not be written (FileExistsError" in caplog.text
     assert json.loads((config.run_dir / "summary.json").read_text())["status"] == "finished"
 
