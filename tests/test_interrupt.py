@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, processes_with
 
 pytestmark = pytest.mark.ray
 
@@ -31,22 +31,10 @@ def _wait_for_epoch_1(run_dir: Path, timeout: float = 300, alive=lambda: True) -
         time.sleep(0.2)
 
 
-def _processes(needle: bytes) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def _gone(needle: bytes, timeout: float = 30) -> list[int]:
     """Processes whose command line holds `needle` still there after `timeout` (none: [])."""
     deadline = time.monotonic() + timeout
-    while (left := _processes(needle)) and time.monotonic() < deadline:
+    while (left := processes_with(needle)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
 

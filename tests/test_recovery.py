@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, processes_with
 
 pytestmark = pytest.mark.ray
 
@@ -26,19 +26,6 @@ def _wait_for_epoch(run_dir: Path, epoch: int, timeout: float = 300) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"epoch {epoch} never recorded in {metrics}")
-
-
-def _train_worker_pids() -> list[int]:
-    """Ray Train worker processes, found in the process table as an operator would."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if b"RayTrainWorker" in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def _epochs(run_dir: Path) -> list[int]:
@@ -69,7 +56,7 @@ def test_sigkilled_worker_is_replaced_and_training_resumes(ray_address, tmp_path
     run.start()
     _wait_for_epoch(tmp_path / "killed", 1)
     time.sleep(1.5)  # into epoch 2, after epoch 1's checkpoint
-    victims = _train_worker_pids()
+    victims = processes_with(b"RayTrainWorker")  # Ray Train worker processes
     assert victims, "no Ray Train worker process found"
     os.kill(victims[-1], signal.SIGKILL)  # mid-epoch 2, from outside the training code
     run.join(timeout=600)

@@ -275,6 +275,7 @@ def parquet_spec(config: TrainConfig) -> tuple[DataSpec, list[str], list[str]]:
     )
     if not info.val_paths:
         raise ConfigError(f"no validation data found for {info.path}: give --val-data or a val/ split")
+    constant = tuple(info.constant_inputs())
     std = [s if s > 0 else 1.0 for s in info.std] if info.std else info.std  # see DatasetInfo.constant_inputs
     if info.kind == "image":
         mean = info.mean
@@ -296,7 +297,7 @@ def parquet_spec(config: TrainConfig) -> tuple[DataSpec, list[str], list[str]]:
             image_column=config.image_column,
             label_column=config.label_column,
             encoding=info.encoding,
-            constant_inputs=tuple(info.constant_inputs()),
+            constant_inputs=constant,
         )
     else:
         spec = DataSpec(
@@ -309,7 +310,7 @@ def parquet_spec(config: TrainConfig) -> tuple[DataSpec, list[str], list[str]]:
             std=tuple(std or ()),
             label_column=config.label_column,
             feature_columns=tuple(info.feature_columns),
-            constant_inputs=tuple(info.constant_inputs()),
+            constant_inputs=constant,
         )
     return spec, info.train_paths, info.val_paths
 
