@@ -17,12 +17,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, dashboard_get, train_api_run
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API, login_hint
 
@@ -34,26 +32,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _get(url: str, token: str) -> tuple[int, str]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-    except OSError as err:  # not listening yet
-        return 0, str(err)
-
-
-def _our_run(dashboard: str, token: str) -> dict | None:
-    """Our run as the dashboard's Train API lists it; None before Ray Train's state actor exists (a 500)."""
-    status, body = _get(dashboard + TRAIN_RUNS_API, token)
-    if status in (0, 500):
-        return None
-    assert status == 200, f"{TRAIN_RUNS_API} answered {status}: {body[:300]}"
-    return next((run for run in json.loads(body)["train_runs"] if run["name"] == NAME), None)
 
 
 def _wait_for(predicate, what: str, timeout: float, process: subprocess.Popen | None = None):
@@ -102,7 +80,7 @@ def ray_head(tmp_path):
     try:
         dashboard = f"http://127.0.0.1:{dashboard_port}"
         token = token_path.read_text()
-        _wait_for(lambda: _get(dashboard + TRAIN_RUNS_API, token)[0] in (200, 500), "dashboard", 120)
+        _wait_for(lambda: dashboard_get(dashboard + TRAIN_RUNS_API, token)[0] in (200, 500), "dashboard", 120)
         yield {
             "address": f"127.0.0.1:{gcs_port}",
             "dashboard": dashboard,
@@ -159,7 +137,7 @@ def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
     try:
 
         def running_with_workers():
-            found = _our_run(dashboard, token)
+            found = train_api_run(dashboard, token, NAME)
             if found and found["status"] == "RUNNING" and found["attempts"] and found["attempts"][-1]["workers"]:
                 return found
 
@@ -176,8 +154,8 @@ def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
     assert token not in output
     assert "restarted the workers from the latest checkpoint (restart 1)" in output, output[-3000:]
 
-    after = _our_run(dashboard, token)
-    assert after is not None, _get(dashboard + TRAIN_RUNS_API, token)
+    after = train_api_run(dashboard, token, NAME)
+    assert after is not None, dashboard_get(dashboard + TRAIN_RUNS_API, token)
     assert after["status"] == "FINISHED", after
     statuses = [attempt["status"] for attempt in after["attempts"]]
     assert len(statuses) == 2 and statuses[-1] == "FINISHED" and statuses[0] != "FINISHED", after["attempts"]

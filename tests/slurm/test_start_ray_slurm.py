@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes
+from support import train_api_run
+
+from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API
 
 pytestmark = pytest.mark.slurm
 
@@ -38,6 +41,22 @@ def assert_no_leftovers(job: Job, timeout: float = 30) -> None:
     stale = list(Path("/tmp").glob(f"rt{job.job_id}.*"))
     assert not stale, f"per-job Ray temp dirs not removed: {stale}"
     assert not (Path.home() / ".raytrain" / f"job-{job.job_id}").exists(), "per-job token dir not removed"
+
+
+def _run_in_train_api(job_log: Path, job_id: int) -> dict | None:
+    """The job's run as its dashboard's Train API lists it; None before (or no dashboard yet).
+
+    Read as a user would: the dashboard port from the job log, the token from the file the log names."""
+    ports = re.search(r"ports: gcs \d+, dashboard (\d+)", job_log.read_text() if job_log.exists() else "")
+    token_file = Path.home() / ".raytrain" / f"job-{job_id}" / "auth_token"
+    if not ports or not token_file.exists():
+        return None
+    try:
+        return train_api_run(
+            f"http://198.18.0.11:{ports.group(1)}", token_file.read_text().strip(), f"raytrain-{job_id}"
+        )
+    except OSError:  # the token file went with the job's end
+        return None
 
 
 def show(job: Job) -> str:
@@ -152,8 +171,16 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
         assert squatter.stdout.readline().strip() == "listening"
         t0 = time.monotonic()
         subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
+        # the run as the dashboard's Train API listed it while training (it is SCHEDULING before, and the
+        # job's Ray goes down with the job), and every status it was seen in
+        seen_in_train_api, statuses_seen = None, []
         while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
             assert time.monotonic() - t0 < 900, "job did not finish"
+            listed = _run_in_train_api(wd / "job.out", job_id)
+            if listed and (not statuses_seen or statuses_seen[-1] != listed["status"]):
+                statuses_seen.append(listed["status"])
+            if listed and listed["status"] == "RUNNING" and listed["attempts"] and listed["attempts"][-1]["workers"]:
+                seen_in_train_api = listed
             time.sleep(1)
         assert squatter.poll() is None, "the process holding the port must be left alone"
     finally:
@@ -172,6 +199,10 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
 
     run_dir = wd / "runs" / f"raytrain-{job_id}"
     assert f"run directory: {run_dir}" in log, show(job)
+    assert seen_in_train_api, f"never RUNNING with workers in {TRAIN_RUNS_API} (seen: {statuses_seen}); " + show(job)
+    workers = seen_in_train_api["attempts"][-1]["workers"]
+    assert sorted(w["world_rank"] for w in workers) == [0, 1], seen_in_train_api
+    assert len({w["node_ip"] for w in workers}) == 2, f"the Train API's workers share a node: {workers}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished", summary
     assert summary["world_size"] == 2, summary
