@@ -144,6 +144,20 @@ class TrainConfig:
         default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)")
     )
     num_to_keep: int = field(default=2, metadata=_flag("best checkpoints to keep, by validation accuracy"))
+    checkpoint_every_steps: int = field(
+        default=0,
+        metadata=_flag(
+            "also checkpoint every N optimizer steps inside an epoch, so a restart loses at most N steps "
+            "(0: only at the end of each epoch)"
+        ),
+    )
+    checkpoint_every_minutes: float = field(
+        default=0.0,
+        metadata=_flag(
+            "also checkpoint once M minutes have passed since the last checkpoint, at the next step the ranks "
+            "agree on (0: off)"
+        ),
+    )
     resume_from: str | None = field(
         default=None,
         metadata=_flag(
@@ -229,6 +243,9 @@ class TrainConfig:
         _at_least("--train-size", self.train_size, 1)
         _at_least("--val-size", self.val_size, 1)
         _at_least("--num-to-keep", self.num_to_keep, 1)
+        _at_least("--checkpoint-every-steps", self.checkpoint_every_steps, 0)
+        if not self.checkpoint_every_minutes >= 0:
+            raise ConfigError(f"--checkpoint-every-minutes must be >= 0, got {self.checkpoint_every_minutes}")
         _at_least("--max-failures", self.max_failures, 0)
         _at_least("--collective-timeout-s", self.collective_timeout_s, 1)
         _at_least("--hang-timeout-s", self.hang_timeout_s, 1)
@@ -296,6 +313,8 @@ UPPER_LIMITS = {
     "weight_decay": 10.0,
     "seed": 2**32 - 1,
     "num_to_keep": 100_000,
+    "checkpoint_every_steps": 10**9,
+    "checkpoint_every_minutes": 7 * 1440,
     "max_failures": 1000,
     "capacity_wait_s": 7 * 86400,
     "collective_timeout_s": 7 * 86400,

@@ -92,6 +92,16 @@ CASES = [
     ("negative-seed", ["--seed", "-1"], "--seed must be at least 0, got -1"),
     ("negative-max-failures", ["--max-failures", "-1"], "--max-failures must be at least 0, got -1"),
     ("zero-num-to-keep", ["--num-to-keep", "0"], "--num-to-keep must be at least 1, got 0"),
+    (
+        "negative-checkpoint-every-steps",
+        ["--checkpoint-every-steps", "-5"],
+        "--checkpoint-every-steps must be at least 0, got -5",
+    ),
+    (
+        "negative-checkpoint-every-minutes",
+        ["--checkpoint-every-minutes", "-1"],
+        "--checkpoint-every-minutes must be >= 0, got -1.0",
+    ),
     ("zero-collective-timeout", ["--collective-timeout-s", "0"], "--collective-timeout-s must be at least 1, got 0"),
     ("zero-hang-timeout", ["--hang-timeout-s", "0"], "--hang-timeout-s must be at least 1, got 0"),
     ("zero-val-size", ["--val-size", "0"], "--val-size must be at least 1, got 0"),

@@ -99,18 +99,33 @@ def _seen(result, epoch: int, rank: int) -> np.ndarray:
     return np.load(result.run_dir / "sample_ids" / f"epoch-{epoch}-rank-{rank}.npy")
 
 
+CHECKPOINT_EVERY = 4  # optimizer steps
+DIES_AT = 11  # rank 1's process dies at this micro-batch of epoch 2, after 10 steps, the first time
+
+
 @pytest.fixture(scope="module")
 def recorded_run(ray_address, tabular_data, tmp_path_factory):
-    """A real 2-worker fit that records, per epoch and rank, the ids its training steps saw."""
+    """A real 2-worker fit that records, per epoch and rank, the ids its training steps saw. It checkpoints every
+    CHECKPOINT_EVERY optimizer steps and loses rank 1's process once in epoch 2: Ray Train restarts the group
+    from the latest (interval) checkpoint."""
     import dataclasses
 
     from raytrain_ddp import fit
 
+    runs = tmp_path_factory.mktemp("runs")
     config = dataclasses.replace(
-        _config(tabular_data), record_sample_ids=True, storage_path=str(tmp_path_factory.mktemp("runs")), name="first"
+        _config(tabular_data),
+        record_sample_ids=True,
+        storage_path=str(runs),
+        name="first",
+        checkpoint_every_steps=CHECKPOINT_EVERY,
     )
-    result = fit(config)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:DieOnce")
+        env.setenv("RAYTRAIN_TEST_DIE_ONCE", f"{runs}:1:2:{DIES_AT}:3")  # 3 s: the checkpoints before count
+        result = fit(config)
     assert result.ok, result.summary["error"]
+    assert result.summary["restarts"] == 1, result.summary
     return result
 
 
@@ -125,17 +140,30 @@ def test_constant_features_train_and_are_named(recorded_run):
 def test_shards_are_disjoint_complete_and_equal(recorded_run, tabular_data):
     first = recorded_run
     train_ids = _train_ids(tabular_data)
-    for epoch in (1, 2):
-        rank0, rank1 = _seen(first, epoch, 0), _seen(first, epoch, 1)
-        assert len(rank0) == len(rank1)  # equal shards...
-        assert len(set(rank0)) == len(rank0) and len(set(rank1)) == len(rank1)  # no row twice on a rank
-        assert not set(rank0) & set(rank1)  # ...disjoint across ranks...
-        covered = set(rank0) | set(rank1)
-        assert covered <= train_ids and len(train_ids) - len(covered) <= 1  # ...complete but world_size-1 rows
-        record = first.epochs[epoch - 1]
-        assert record["samples_per_rank"] == [len(rank0), len(rank1)]
-        assert record["steps_per_rank"][0] == record["steps_per_rank"][1]  # same steps: no DDP hang
+    rank0, rank1 = _seen(first, 1, 0), _seen(first, 1, 1)
+    assert len(rank0) == len(rank1)  # equal shards...
+    assert len(set(rank0)) == len(rank0) and len(set(rank1)) == len(rank1)  # no row twice on a rank
+    assert not set(rank0) & set(rank1)  # ...disjoint across ranks...
+    covered = set(rank0) | set(rank1)
+    assert covered <= train_ids and len(train_ids) - len(covered) <= 1  # ...complete but world_size-1 rows
+    record = first.epochs[0]
+    assert record["samples_per_rank"] == [len(rank0), len(rank1)]
+    assert record["micro_batches_per_rank"][0] == record["micro_batches_per_rank"][1]  # same steps: no DDP hang
     assert first.summary["replicas_identical"]
+
+
+@pytest.mark.ray
+def test_a_restart_resumes_at_the_latest_interval_checkpoint_and_trains_exactly_the_rest(recorded_run, tabular_data):
+    """Epoch 2 lost rank 1 after 10 optimizer steps; the restart resumed from the interval checkpoint before that
+    (not from epoch 1's end) and trained, rank by rank, exactly the rows of epoch 2's order after it."""
+    expected = _pipeline_order(tabular_data, seed=0)
+    steps_in_epoch_1 = recorded_run.epochs[0]["optimizer_steps_per_rank"][0]
+    resumed_after = max(k for k in range(1, DIES_AT) if (steps_in_epoch_1 + k) % CHECKPOINT_EVERY == 0)
+    batch = _config(tabular_data).batch_size
+    for rank in (0, 1):
+        seen, order = _seen(recorded_run, 2, rank), expected[2, rank]
+        where = f"rank {rank}: {len(seen)} of {len(order)} rows, from row {list(order).index(seen[0])} of the order"
+        assert np.array_equal(seen, order[resumed_after * batch :]), f"{where}; expected from {resumed_after * batch}"
 
 
 @pytest.mark.ray
@@ -151,9 +179,8 @@ def test_same_seed_same_order_other_seed_other_order(recorded_run, tabular_data)
     """What the run's ranks trained on, id for id, is what any other build with its seed reads; another seed
     reads another order. A new driver builds the shards from scratch (test_epoch_order_... below)."""
     again, other_seed = _pipeline_order(tabular_data, seed=0), _pipeline_order(tabular_data, seed=1)
-    for epoch in (1, 2):
-        for rank in (0, 1):
-            assert np.array_equal(_seen(recorded_run, epoch, rank), again[epoch, rank])
+    for rank in (0, 1):  # epoch 2: see the restart test
+        assert np.array_equal(_seen(recorded_run, 1, rank), again[1, rank])
     assert not np.array_equal(_seen(recorded_run, 1, 0), other_seed[1, 0])
 
 

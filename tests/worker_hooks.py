@@ -60,17 +60,21 @@ class SlowCompute(WorkerHooks):
 
 
 class DieOnce(WorkerHooks):
-    """RAYTRAIN_TEST_DIE_ONCE=directory:rank:epoch:micro_batch: that rank's process exits there, the first time
-    only (directory/died marks it), as a killed process would: Ray Train restarts the group, a new attempt."""
+    """RAYTRAIN_TEST_DIE_ONCE=directory:rank:epoch:micro_batch[:seconds]: that rank's process exits there (after
+    `seconds`), the first time only (directory/died marks it), as a killed process would: Ray Train restarts the
+    group, a new attempt. The wait lets Ray Train's controller take in the checkpoints reported before (it polls
+    the workers every 2 s)."""
 
     def __init__(self) -> None:
         self.directory, *at = os.environ["RAYTRAIN_TEST_DIE_ONCE"].split(":")
-        self.at = tuple(int(n) for n in at)
+        self.at = tuple(int(n) for n in at[:3])
+        self.wait_s = float(at[3]) if len(at) > 3 else 0.0
 
     def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
         marker = os.path.join(self.directory, "died")
         if (rank, epoch, micro_batch) == self.at and not os.path.exists(marker):
             open(marker, "w").close()
+            time.sleep(self.wait_s)
             os._exit(1)
 
 

@@ -5,7 +5,9 @@ Read top to bottom: build the model the same way on every rank, spread it
 over the ranks (DDP or FSDP), resume if there is a checkpoint, then per
 epoch: train on this rank's shard, validate over all ranks, let rank zero
 checkpoint, report. A stop request (Slurm preemption) ends the loop at the
-next agreed step boundary with a checkpoint that resumes mid-epoch.
+next agreed step boundary with a checkpoint that resumes mid-epoch; interval
+checkpoints (--checkpoint-every-steps/-minutes) are the same checkpoint taken
+without stopping.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from raytrain_ddp.worker.schedule import make_scheduler, resume_schedule, steps_
 log = logging.getLogger("raytrain_ddp.worker")
 
 NAN_CHECK_EVERY = 100  # micro-batches between loss checks: each one waits for the device
-STOP_CHECK_EVERY = 10  # optimizer steps between all-ranks checks for a stop request (one tiny all-reduce)
+STOP_CHECK_EVERY = 10  # optimizer steps between all-ranks checks for a stop or a timed checkpoint (one all-reduce)
 
 
 def make_optimizer(config: TrainConfig, model: nn.Module, world_size: int) -> torch.optim.Optimizer:
@@ -246,6 +248,7 @@ class WorkerLoop:
         self.train_shard = ray.train.get_dataset_shard("train")
         self.val_shard = ray.train.get_dataset_shard("val")
         self.position = ckpt.Position()
+        self.last_checkpoint_at = time.monotonic()  # for --checkpoint-every-minutes
 
     def resume(self) -> ckpt.Position:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
@@ -304,9 +307,21 @@ class WorkerLoop:
         run.optimizer_steps += 1
         self.hooks.on_optimizer_step(self.rank, epoch, run.optimizer_steps)
         self.position.global_step += 1
-        if self.position.global_step % STOP_CHECK_EVERY == 0 and not is_last and self.stop_agreed():
-            run.stop_reason = self.heartbeat.stop_reason or "another rank was asked to stop"
-            return True
+        return not is_last and self.between_steps(epoch, run)  # after the last step: the epoch's own checkpoint
+
+    def between_steps(self, epoch: int, run: EpochRun) -> bool:
+        """After an optimizer step: every STOP_CHECK_EVERY steps the ranks agree whether to stop (True) or to
+        take a timed checkpoint; every --checkpoint-every-steps steps, an interval checkpoint."""
+        step, checkpoint_due = self.position.global_step, False
+        if step % STOP_CHECK_EVERY == 0:
+            stop, checkpoint_due = self.agreed(stop=self.heartbeat.stop_reason is not None, timed=self.minutes_due())
+            if stop:
+                run.stop_reason = self.heartbeat.stop_reason or "another rank was asked to stop"
+                return True
+        every = self.config.checkpoint_every_steps
+        if checkpoint_due or (every and step % every == 0):  # the same step on every rank
+            self.mid_epoch_checkpoint(epoch, run, {"interval": True})
+            self.heartbeat.at("training", epoch, run.meter)
         return False
 
     def check_loss(self, epoch: int, meter: EpochMeter) -> None:
@@ -315,26 +330,35 @@ class WorkerLoop:
         if not self.config.skip_nonfinite:
             check_finite(loss, self.rank, epoch, meter.micro_batches)
 
+    def agreed(self, stop: bool, timed: bool = False) -> tuple[bool, bool]:
+        """(stop, take a timed checkpoint), each true on every rank when true on any."""
+        stop, timed = all_ranks_agree((stop, timed), self.device)
+        return stop, timed
+
     def stop_agreed(self) -> bool:
-        return all_ranks_agree(self.heartbeat.stop_reason is not None, self.device)
+        return self.agreed(stop=self.heartbeat.stop_reason is not None)[0]
+
+    def minutes_due(self) -> bool:
+        minutes = self.config.checkpoint_every_minutes
+        return bool(minutes) and time.monotonic() - self.last_checkpoint_at >= minutes * 60
 
     def stop_checkpoint(self, epoch: int, run: EpochRun) -> None:
         """Preempted mid-epoch: save where we are, to resume from exactly here."""
-        self.heartbeat.at("checkpointing", epoch, run.meter)
-        stopped_at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step)
         log.info("stopping at epoch %d, optimizer step %d: %s", epoch, run.optimizer_steps, run.stop_reason)
-        self.trainer.checkpoint(
-            stopped_at,
-            {
-                "epoch": epoch - 1,
-                "step_in_epoch": run.optimizer_steps,
-                "val_accuracy": float("-inf"),
-                "stopped": run.stop_reason,
-            },
-            self.run_info,
-            self.rank,
-            self.heartbeat.advance,
-        )
+        self.mid_epoch_checkpoint(epoch, run, {"stopped": run.stop_reason})
+
+    def mid_epoch_checkpoint(self, epoch: int, run: EpochRun, why: dict) -> None:
+        """A checkpoint after `run.optimizer_steps` steps of `epoch`, which a restart resumes from exactly.
+
+        It has no validation score: ranked below every epoch's, it never evicts a best checkpoint and is
+        kept only while it is the latest."""
+        self.heartbeat.at("checkpointing", epoch, run.meter)
+        at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step)
+        if self.rank == 0 and "interval" in why:
+            log.info("checkpoint at epoch %d, optimizer step %d", epoch, run.optimizer_steps)
+        metrics = {"epoch": epoch - 1, "step_in_epoch": run.optimizer_steps, "val_accuracy": float("-inf"), **why}
+        self.trainer.checkpoint(at, metrics, self.run_info, self.rank, self.heartbeat.advance)
+        self.last_checkpoint_at = time.monotonic()
 
     def validate(self, epoch: int, run: EpochRun) -> dict:
         """Validation over all ranks' shards, with rank zero's buffers everywhere."""
@@ -401,6 +425,7 @@ class WorkerLoop:
         self.trainer.checkpoint(
             self.position, {"epoch": epoch, **val_metrics}, self.run_info, self.rank, self.heartbeat.advance
         )
+        self.last_checkpoint_at = time.monotonic()
 
     def finish(self) -> None:
         ray.get(self.monitor.worker_finished.remote(self.rank, parameter_checksum(strategy.unwrap(self.trainer.model))))

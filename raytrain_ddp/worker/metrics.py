@@ -161,13 +161,15 @@ def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
 
 
-def all_ranks_agree(local_flag: bool, device: torch.device) -> bool:
-    """True on every rank iff it is true on any rank (a collective: call at the same step everywhere)."""
+def all_ranks_agree(local_flags: tuple[bool, ...], device: torch.device) -> tuple[bool, ...]:
+    """Each flag true on every rank iff it is true on any rank (a collective: call at the same step everywhere).
+
+    Several flags travel in one all-reduce, so deciding them costs the one wait for the device."""
     if not dist.is_initialized():
-        return local_flag
-    flag = torch.full((1,), float(local_flag), device=device)  # a fill, not a copy from the host
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())  # the one sync
+        return local_flags
+    flags = torch.stack([torch.full((), float(flag), device=device) for flag in local_flags])  # fills, no copy
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return tuple(bool(flag) for flag in flags.tolist())  # the one sync
 
 
 @torch.no_grad()
