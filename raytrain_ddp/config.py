@@ -26,6 +26,8 @@ OPTIMIZERS = ("sgd", "adamw")
 STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine", "step")
+VALIDATION_METRICS = ("val_accuracy", "val_loss")  # what validation reports: each can rank checkpoints
+CHECKPOINT_MODES = ("min", "max")
 
 
 def _flag(help: str, **extra: Any) -> dict:
@@ -143,7 +145,24 @@ class TrainConfig:
     name: str | None = field(
         default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)")
     )
-    num_to_keep: int = field(default=2, metadata=_flag("best checkpoints to keep, by validation accuracy"))
+    num_to_keep: int = field(
+        default=2, metadata=_flag("best checkpoints to keep, by --checkpoint-metric (the latest is kept too)")
+    )
+    checkpoint_metric: str | None = field(
+        default=None,
+        metadata=_flag(
+            f"the validation metric that ranks checkpoints for --num-to-keep: {', '.join(VALIDATION_METRICS)} "
+            "(default: val_accuracy for classifiers, val_loss for the language model)"
+        ),
+    )
+    checkpoint_mode: str | None = field(
+        default=None,
+        metadata=_flag(
+            "whether a lower (min) or a higher (max) --checkpoint-metric is better (default: min for a loss, "
+            "max otherwise)",
+            choices=CHECKPOINT_MODES,
+        ),
+    )
     checkpoint_every_steps: int = field(
         default=0,
         metadata=_flag(
@@ -229,6 +248,11 @@ class TrainConfig:
     def uses_parquet(self) -> bool:
         return bool(self.data or self.train_data)
 
+    def checkpoint_ranking(self, data_kind: str) -> tuple[str, str]:
+        """(metric, "min" or "max") by which checkpoints are kept: the flags, else the data kind's default."""
+        metric = self.checkpoint_metric or ("val_loss" if data_kind == "tokens" else "val_accuracy")
+        return metric, self.checkpoint_mode or ("min" if metric.endswith("loss") else "max")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -269,6 +293,8 @@ class TrainConfig:
             ("--strategy", self.strategy, STRATEGIES),
             ("--precision", self.precision, PRECISIONS),
             ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
+            ("--checkpoint-metric", self.checkpoint_metric or VALIDATION_METRICS[0], VALIDATION_METRICS),
+            ("--checkpoint-mode", self.checkpoint_mode or CHECKPOINT_MODES[0], CHECKPOINT_MODES),
         ):
             if value not in allowed and not (flag_name in ("--model", "--dataset") and is_import_path(value)):
                 raise ConfigError(

@@ -93,6 +93,12 @@ CASES = [
     ("negative-max-failures", ["--max-failures", "-1"], "--max-failures must be at least 0, got -1"),
     ("zero-num-to-keep", ["--num-to-keep", "0"], "--num-to-keep must be at least 1, got 0"),
     (
+        "unknown-checkpoint-metric",
+        ["--checkpoint-metric", "val_f1"],
+        "--checkpoint-metric 'val_f1' is unknown; choose one of: val_accuracy, val_loss",
+    ),
+    ("unknown-checkpoint-mode", ["--checkpoint-mode", "best"], "argument --checkpoint-mode: invalid choice: 'best'"),
+    (
         "negative-checkpoint-every-steps",
         ["--checkpoint-every-steps", "-5"],
         "--checkpoint-every-steps must be at least 0, got -5",

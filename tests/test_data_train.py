@@ -119,6 +119,7 @@ def recorded_run(ray_address, tabular_data, tmp_path_factory):
         storage_path=str(runs),
         name="first",
         checkpoint_every_steps=CHECKPOINT_EVERY,
+        num_to_keep=1,
     )
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:DieOnce")
@@ -164,6 +165,23 @@ def test_a_restart_resumes_at_the_latest_interval_checkpoint_and_trains_exactly_
         seen, order = _seen(recorded_run, 2, rank), expected[2, rank]
         where = f"rank {rank}: {len(seen)} of {len(order)} rows, from row {list(order).index(seen[0])} of the order"
         assert np.array_equal(seen, order[resumed_after * batch :]), f"{where}; expected from {resumed_after * batch}"
+
+
+@pytest.mark.ray
+def test_retention_keeps_the_best_and_the_latest_epoch_checkpoint(recorded_run):
+    """--num-to-keep 1 with interval checkpoints: what is left is the best epoch's checkpoint and the latest, no
+    interval one (each was dropped once a newer checkpoint came); the summary names both."""
+    import torch
+
+    summary = recorded_run.summary
+    assert summary["checkpoints_ranked_by"] == "val_accuracy (max)"
+    kept = {str(path) for path in recorded_run.run_dir.glob("checkpoint_*/checkpoint.pt")}
+    assert kept == {summary["best_checkpoint"], summary["latest_checkpoint"]}, kept
+    states = [torch.load(path, weights_only=True) for path in kept]
+    assert all(state["step_in_epoch"] == 0 for state in states), [s["metrics"] for s in states]
+    best_epoch = max(recorded_run.epochs, key=lambda record: record["val_accuracy"])["epoch"]
+    assert torch.load(summary["best_checkpoint"], weights_only=True)["epoch"] == best_epoch
+    assert torch.load(summary["latest_checkpoint"], weights_only=True)["epoch"] == 2
 
 
 @pytest.mark.ray

@@ -124,6 +124,9 @@ def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_add
     assert last["val_loss"] < 0.75 * math.log(64)  # ...and clearly below it after two epochs
     assert last["val_identical_across_ranks"]
     assert result.summary["replicas_identical"]
+    # A language model's checkpoints are ranked by validation loss, lowest best (its token accuracy is no goal)
+    assert result.summary["checkpoints_ranked_by"] == "val_loss (min)"
+    assert result.summary["best_metrics"]["val_loss"] == min(first["val_loss"], last["val_loss"])
 
     # The gathered checkpoint is a plain state dict: a single-process model gives the same numbers.
     scored = evaluate_checkpoint(result.best_checkpoint)

@@ -209,6 +209,7 @@ def _make_trainer(
     # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
+    metric, mode = config.checkpoint_ranking(spec.kind)  # mid-epoch checkpoints score the worst (worker/loop.py)
     return Trainer(
         train_loop_per_worker,
         train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor, "plugins": plugins},
@@ -219,7 +220,7 @@ def _make_trainer(
             name=config.name,
             storage_path=config.storage_path,
             checkpoint_config=CheckpointConfig(
-                num_to_keep=config.num_to_keep, checkpoint_score_attribute="val_accuracy", checkpoint_score_order="max"
+                num_to_keep=config.num_to_keep, checkpoint_score_attribute=metric, checkpoint_score_order=mode
             ),
             failure_config=FailureConfig(max_failures=config.max_failures, controller_failure_limit=placement_tries),
         ),
@@ -384,7 +385,9 @@ def _train(
         log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
 
     with interrupts_deferred():
-        summary = _summary(config, recorder, result, error, stop_reason, time.time() - started, interrupted)
+        summary = _summary(
+            config, plan.spec.kind, recorder, result, error, stop_reason, time.time() - started, interrupted
+        )
         _finish(config, run_dir, summary, report=not interrupted)
     if interrupted:
         raise Interrupted(
@@ -453,6 +456,7 @@ def _last_line(text: str) -> str:
 
 def _summary(
     config: TrainConfig,
+    data_kind: str,
     recorder: RunRecorder,
     result,
     error: str | None,
@@ -462,9 +466,12 @@ def _summary(
 ) -> dict:
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
-    scored = [pair for pair in (result.best_checkpoints if result is not None else []) if "val_accuracy" in pair[1]]
-    if scored:  # a checkpoint taken mid-epoch on a stop request has no validation score
-        checkpoint, best_metrics = max(scored, key=lambda pair: pair[1]["val_accuracy"])
+    metric, mode = config.checkpoint_ranking(data_kind)
+    # a checkpoint taken mid-epoch (a stop request, --checkpoint-every-*) has no validation score: +-inf
+    pairs = result.best_checkpoints if result is not None else []
+    scored = [pair for pair in pairs if math.isfinite(pair[1].get(metric, math.inf))]
+    if scored:
+        checkpoint, best_metrics = (max if mode == "max" else min)(scored, key=lambda pair: pair[1][metric])
         best_checkpoint = os.path.join(checkpoint.path, CHECKPOINT_FILE)
     checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:
@@ -491,6 +498,8 @@ def _summary(
         "final_metrics": epochs[-1] if epochs else None,
         "best_checkpoint": best_checkpoint,
         "best_metrics": best_metrics,
+        "checkpoints_ranked_by": f"{metric} ({mode})",
+        "latest_checkpoint": os.path.join(latest.path, CHECKPOINT_FILE) if latest else None,
         "samples_per_second": (sum(e["samples_per_second"] for e in epochs) / len(epochs)) if epochs else None,
         "param_checksums": checksums,
         "replicas_identical": None not in checksums and len(set(checksums)) == 1,

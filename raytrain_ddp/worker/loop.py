@@ -356,7 +356,9 @@ class WorkerLoop:
         at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step)
         if self.rank == 0 and "interval" in why:
             log.info("checkpoint at epoch %d, optimizer step %d", epoch, run.optimizer_steps)
-        metrics = {"epoch": epoch - 1, "step_in_epoch": run.optimizer_steps, "val_accuracy": float("-inf"), **why}
+        metric, mode = self.config.checkpoint_ranking(self.spec.kind)
+        worst = {metric: float("-inf") if mode == "max" else float("inf")}
+        metrics = {"epoch": epoch - 1, "step_in_epoch": run.optimizer_steps, **worst, **why}
         self.trainer.checkpoint(at, metrics, self.run_info, self.rank, self.heartbeat.advance)
         self.last_checkpoint_at = time.monotonic()
 
