@@ -12,6 +12,7 @@ gets a report that says so.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import html
 import json
@@ -680,11 +681,14 @@ def write_report(run_dir: Path | str) -> Path:
 # CLI
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.report") -> int:
+    """prog: the command's name in --help (`raytrain-ddp report` calls this too)."""
     parser = OneLineErrorParser(
-        prog="python -m raytrain_ddp.report",
+        prog=prog,
         description="Write RUN_DIR/report/index.html (summary, workers, epochs, "
         "configuration and plots) and print its path.",
+        epilog="examples:\n  %(prog)s runs/NAME\n  xdg-open $(%(prog)s runs/NAME)   # and open it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory: STORAGE_PATH/NAME")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is read and written")
