@@ -103,6 +103,7 @@ CASES = [
     ("more-workers-than-machine", ["--num-workers", "500"], "--num-workers 500 x 1 CPU does not fit this machine"),
     ("data-missing", ["--data", "/no/such/dataset"], "/no/such/dataset"),
     ("empty-mlflow-uri", ["--mlflow-uri", ""], "--mlflow-uri must not be empty"),
+    ("negative-log-every-steps", ["--log-every-steps", "-1"], "--log-every-steps must be at least 0, got -1"),
 ]
 
 
