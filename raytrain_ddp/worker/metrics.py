@@ -114,7 +114,8 @@ class Heartbeat:
 
     The loop only sets attributes (no call, no sync per micro-batch); the thread
     posts them with `post(rank, epoch, micro_batches_started, samples, loss,
-    phase, phase_done)`, which answers a stop reason or None, and keeps posting
+    phase, phase_done, step_records)` (the steps.jsonl records the loop's
+    last loss refresh made), which answers a stop reason or None, and keeps posting
     while the loop is blocked, so the driver's watchdog sees every rank's
     position during a hang. It reads host values only: a device read would
     queue behind the very kernel (an NCCL all-reduce) that hangs. A rank stuck
