@@ -201,6 +201,9 @@ def test_tensorboard_log_round_trip(tmp_path, trained_run):
     for rec in records:
         tb.write_epoch(rec)
     tb.write_epoch({"epoch": 3, "train_loss": None, "samples_per_rank": "?"})  # junk is skipped, not fatal
+    steps = [json.loads(line) for line in (trained_run / "steps.jsonl").read_text().splitlines()]
+    for rec in steps:
+        tb.write_step(rec)
     tb.close()
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -235,6 +238,12 @@ def test_tensorboard_log_round_trip(tmp_path, trained_run):
     assert series("data_wait/rank_0") == [
         (r["epoch"], pytest.approx(r["data_wait_seconds_per_rank"][0], rel=1e-6)) for r in records
     ]
+    for tag, key in [
+        ("step/train_loss", "train_loss"),
+        ("step/lr", "lr"),
+        ("step/samples_per_second", "samples_per_second"),
+    ]:
+        assert series(tag) == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in steps], tag
 
 
 def _chromium() -> str:
