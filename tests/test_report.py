@@ -20,7 +20,14 @@ from support import run_cli
 pytestmark = pytest.mark.ray
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CORE_PLOTS = {"loss.png", "val_accuracy.png", "throughput_per_rank.png", "data_wait_seconds_per_rank.png"}
+CORE_PLOTS = {
+    "loss.png",
+    "val_accuracy.png",
+    "throughput_per_rank.png",
+    "data_wait_seconds_per_rank.png",
+    "loss_per_step.png",  # the shared run records every 4th step
+    "throughput_per_step.png",
+}
 SECTION_IDS = {"summary", "workers", "epochs", "config"}
 
 
