@@ -208,6 +208,12 @@ class TrainConfig:
         default=False,
         metadata=_flag("save the row ids each rank trained on, per epoch, in RUN_DIR/sample_ids/ (audits sharding)"),
     )
+    log_every_steps: int = field(
+        default=10,
+        metadata=_flag(
+            "record every N optimizer steps in RUN_DIR/steps.jsonl (loss over ranks, lr, samples/s); 0: off"
+        ),
+    )
     tensorboard: bool = field(default=True, metadata=_flag("write TensorBoard event files to RUN_DIR/tensorboard/"))
     mlflow_uri: str | None = field(
         default=None,
@@ -274,6 +280,7 @@ class TrainConfig:
         _at_least("--collective-timeout-s", self.collective_timeout_s, 1)
         _at_least("--hang-timeout-s", self.hang_timeout_s, 1)
         _at_least("--capacity-wait-s", self.capacity_wait_s, 1)
+        _at_least("--log-every-steps", self.log_every_steps, 0)
         if self.min_workers is not None and not 1 <= self.min_workers <= self.num_workers:
             raise ConfigError(
                 f"--min-workers must be between 1 and --num-workers ({self.num_workers}), got {self.min_workers}"
@@ -345,6 +352,7 @@ UPPER_LIMITS = {
     "capacity_wait_s": 7 * 86400,
     "collective_timeout_s": 7 * 86400,
     "hang_timeout_s": 7 * 86400,
+    "log_every_steps": 10**9,
 }
 
 

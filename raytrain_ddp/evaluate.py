@@ -10,6 +10,7 @@ gives when a GPU-trained, TF32 or bf16, checkpoint is scored on a CPU).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -66,9 +67,15 @@ def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = N
     return {"epoch": state["epoch"], **scored, "device": str(target), "recorded": state["metrics"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.evaluate") -> int:
+    """prog: the command's name in --help (`raytrain-ddp evaluate` calls this too)."""
     parser = OneLineErrorParser(
-        prog="python -m raytrain_ddp.evaluate", description=__doc__.splitlines()[0], allow_abbrev=False
+        prog=prog,
+        description="Score a checkpoint on one process, beside the accuracy recorded at training time.",
+        epilog="examples:\n  %(prog)s runs/NAME/checkpoint_DATE/checkpoint.pt"
+        "\n  %(prog)s runs/NAME/checkpoint_DATE --device cpu --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("checkpoint", help="checkpoint.pt or the checkpoint directory holding it")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where to evaluate (default: cuda if available)")

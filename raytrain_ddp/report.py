@@ -12,6 +12,7 @@ gets a report that says so.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import html
 import json
@@ -52,6 +53,7 @@ class Run:
     epochs: list[dict]  # one record per epoch, sorted, last record wins for a repeated epoch
     config: dict | None  # None when config.toml is missing or unreadable
     notes: list[str]  # problems met while reading, shown on the page
+    steps: list[dict]  # steps.jsonl's records (--log-every-steps), by step; [] when there are none
 
     @property
     def status(self) -> str:
@@ -100,26 +102,31 @@ def load_run(run_dir: Path | str) -> Run:
         or {}
     )
 
-    by_epoch: dict[Any, dict] = {}
-    if metrics_path.exists():
-        for number, line in enumerate(metrics_path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                notes.append(f"metrics.jsonl line {number} is not JSON (cut short?); skipped")
-                continue
-            if isinstance(record, dict) and "epoch" in record:
-                by_epoch[record["epoch"]] = record  # an epoch repeated after a restart: the last one counts
-    epochs = [by_epoch[e] for e in sorted(by_epoch, key=lambda e: (not isinstance(e, (int, float)), e))]
-
+    epochs = _read_records(metrics_path, "epoch", notes)
+    steps = _read_records(run_dir / "steps.jsonl", "step", notes)
     config = _read_optional(
         run_dir / "config.toml", tomllib.loads, notes, "no configuration shown", "no configuration shown"
     )
     for note in notes:
         log.warning("%s: %s", run_dir, note)
-    return Run(run_dir, summary, epochs, config, notes)
+    return Run(run_dir, summary, epochs, config, notes, steps)
+
+
+def _read_records(path: Path, key: str, notes: list[str]) -> list[dict]:
+    """A .jsonl file's records in `key` order; a key repeated after a restart: the last record counts."""
+    by_key: dict[Any, dict] = {}
+    if path.exists():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                notes.append(f"{path.name} line {number} is not JSON (cut short?); skipped")
+                continue
+            if isinstance(record, dict) and key in record:
+                by_key[record[key]] = record
+    return [by_key[k] for k in sorted(by_key, key=lambda k: (not isinstance(k, (int, float)), k))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,13 +228,13 @@ COLORS = [
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "p", "h", "*"]
 
 
-def _new_axes(title: str, ylabel: str):
+def _new_axes(title: str, ylabel: str, xlabel: str = "epoch"):
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.0, 3.8), dpi=110, layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(title, fontsize=11)
-    ax.set_xlabel("epoch")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     from matplotlib.ticker import MaxNLocator
@@ -236,14 +243,41 @@ def _new_axes(title: str, ylabel: str):
     return fig, ax
 
 
-def _series(epochs: list[dict], key: str) -> tuple[list, list]:
+def _series(records: list[dict], key: str, x: str = "epoch") -> tuple[list, list]:
     xs, ys = [], []
-    for rec in epochs:
+    for rec in records:
         y = _num(rec.get(key))
-        if y is not None and _num(rec.get("epoch")) is not None:
-            xs.append(rec["epoch"])
+        if y is not None and _num(rec.get(x)) is not None:
+            xs.append(rec[x])
             ys.append(y)
     return xs, ys
+
+
+def _plot_step_loss(steps: list[dict]):
+    xs, mean = _series(steps, "train_loss", "step")
+    if not xs:
+        return None
+    fig, ax = _new_axes("Training loss per recorded step", "loss", "optimizer step")
+    band = [(r["step"], _num(r.get("train_loss_min")), _num(r.get("train_loss_max"))) for r in steps]
+    band = [b for b in band if b[1] is not None and b[2] is not None and _num(b[0]) is not None]
+    if band:
+        ax.fill_between(*zip(*band), color=COLORS[0], alpha=0.2, label="min..max over ranks")
+    ax.plot(xs, mean, ".-", color=COLORS[0], label="mean over ranks")
+    if all(y > 0 for y in mean) and max(mean) / min(mean) > 30:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_step_throughput(steps: list[dict]):
+    xs, rate = _series(steps, "samples_per_second", "step")
+    if not xs:
+        return None
+    fig, ax = _new_axes("Samples per second per recorded step (all ranks)", "samples/s", "optimizer step")
+    ax.plot(xs, rate, ".-", color=COLORS[2], label="samples/s since the previous record")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="lower right")
+    return fig
 
 
 def _plot_loss(epochs: list[dict]):
@@ -330,8 +364,8 @@ class Plot:
     png: bytes
 
 
-def make_plots(epochs: list[dict]) -> list[Plot]:
-    """Every plot the records have data for, as PNG bytes."""
+def make_plots(epochs: list[dict], steps: list[dict]) -> list[Plot]:
+    """Every plot the records (per epoch, and per recorded step) have data for, as PNG bytes."""
     makers: list[tuple[str, str, Callable]] = [
         (
             "loss.png",
@@ -339,6 +373,16 @@ def make_plots(epochs: list[dict]) -> list[Plot]:
             lambda: _plot_loss(epochs),
         ),
         ("val_accuracy.png", "Validation accuracy per epoch", lambda: _plot_accuracy(epochs)),
+        (
+            "loss_per_step.png",
+            "Training loss per recorded optimizer step: mean with min..max band over ranks",
+            lambda: _plot_step_loss(steps),
+        ),
+        (
+            "throughput_per_step.png",
+            "Samples per second of all ranks per recorded optimizer step",
+            lambda: _plot_step_throughput(steps),
+        ),
     ]
     for field in RANK_FIELDS:
         if field.plot:
@@ -363,7 +407,7 @@ def make_plots(epochs: list[dict]) -> list[Plot]:
     return plots
 
 
-ALL_PLOT_FILES = {"loss.png", "val_accuracy.png"} | {
+ALL_PLOT_FILES = {"loss.png", "val_accuracy.png", "loss_per_step.png", "throughput_per_step.png"} | {
     f"{f.key.removesuffix('_per_rank')}_per_rank.png" for f in RANK_FIELDS if f.plot
 }
 
@@ -665,7 +709,7 @@ def write_report(run_dir: Path | str) -> Path:
     run = load_run(run_dir)
     out = run.run_dir / REPORT_DIR
     out.mkdir(exist_ok=True)
-    plots = make_plots(run.epochs)
+    plots = make_plots(run.epochs, run.steps)
     made = {p.file for p in plots}
     for stale in ALL_PLOT_FILES - made:  # a plot this run no longer has data for
         (out / stale).unlink(missing_ok=True)
@@ -680,11 +724,14 @@ def write_report(run_dir: Path | str) -> Path:
 # CLI
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.report") -> int:
+    """prog: the command's name in --help (`raytrain-ddp report` calls this too)."""
     parser = OneLineErrorParser(
-        prog="python -m raytrain_ddp.report",
+        prog=prog,
         description="Write RUN_DIR/report/index.html (summary, workers, epochs, "
         "configuration and plots) and print its path.",
+        epilog="examples:\n  %(prog)s runs/NAME\n  xdg-open $(%(prog)s runs/NAME)   # and open it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory: STORAGE_PATH/NAME")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what is read and written")

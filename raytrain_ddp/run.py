@@ -1,4 +1,4 @@
-"""`python -m raytrain_ddp.run` (also `raytrain-ddp`): the command line.
+"""`python -m raytrain_ddp.run` (also `raytrain-ddp train`): the command line.
 
 Every flag is a field of TrainConfig; `--config FILE` reads a TOML file of the
 same fields first, and flags given on the command line win.
@@ -16,12 +16,14 @@ from raytrain_ddp.driver.signals import hold_early_stop_signals
 from raytrain_ddp.errors import EXIT_BAD_INPUT, ConfigError, OneLineErrorParser, bad_input  # noqa: F401 (exit codes)
 from raytrain_ddp.redact import RedactFilter
 
+PROG = "python -m raytrain_ddp.run"
+# argparse writes the command's name for %(prog)s: `python -m raytrain_ddp.run` or `raytrain-ddp train`
 EXAMPLES = """\
 examples:
-  python -m raytrain_ddp.run --num-workers 2                  # CPU, built-in data and model
-  python -m raytrain_ddp.run --num-workers 6 --use-gpu        # one worker per GPU, NCCL
-  python -m raytrain_ddp.run --data /shared/ds --model resnet18 --epochs 10
-  python -m raytrain_ddp.run --config runs/NAME/config.toml   # repeat a run exactly
+  %(prog)s --num-workers 2                  # CPU, built-in data and model
+  %(prog)s --num-workers 6 --use-gpu        # one worker per GPU, NCCL
+  %(prog)s --data /shared/ds --model resnet18 --epochs 10
+  %(prog)s --config runs/NAME/config.toml   # repeat a run exactly
 
 exit codes:
   0    finished
@@ -35,9 +37,9 @@ exit codes:
 EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 75, 130  # EXIT_BAD_INPUT (2) comes with the one-line errors
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="python -m raytrain_ddp.run",
+        prog=prog,
         description="Data-parallel PyTorch training on a Ray cluster (one worker per GPU or CPU slot).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -59,12 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_args(argv: list[str] | None = None, *, allow_unknown: bool = False) -> dict:
+def settings_from_args(argv: list[str] | None = None, *, allow_unknown: bool = False, prog: str = PROG) -> dict:
     """The settings the user chose: the TOML file's, then the flags typed (defaults left out). Raises ConfigError.
 
     allow_unknown: flags that are not the trainer's are left for another program (a launcher's custom module).
     """
-    parser = build_parser()
+    parser = build_parser(prog)
     given = vars(parser.parse_known_args(argv)[0] if allow_unknown else parser.parse_args(argv))
     config_file = given.pop("config", None)
     values = load_toml(config_file) if config_file else {}
@@ -72,18 +74,19 @@ def settings_from_args(argv: list[str] | None = None, *, allow_unknown: bool = F
     return values
 
 
-def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+def config_from_args(argv: list[str] | None = None, prog: str = PROG) -> TrainConfig:
     """Defaults, then the TOML file, then the flags. Raises ConfigError."""
-    return TrainConfig(**settings_from_args(argv))
+    return TrainConfig(**settings_from_args(argv, prog=prog))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """prog: the command's name in --help (`raytrain-ddp train` calls this too)."""
     hold_early_stop_signals()  # before torch and Ray import: a Slurm USR1 then must not kill us
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:  # the console: Ray's and every module's lines, credentials masked
         handler.addFilter(RedactFilter())
     try:
-        config = config_from_args(argv).validate()
+        config = config_from_args(argv, prog).validate()
         from raytrain_ddp.driver.fit import fit  # imports Ray and torch: after the cheap checks
 
         result = fit(config)

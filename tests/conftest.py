@@ -36,7 +36,7 @@ def ray_address() -> str:
 def trained_run(ray_address, tmp_path_factory):
     """One short real run (2 workers, 2 epochs), trained once for every test that only reads its results.
 
-    It also logs to an MLflow file store, STORAGE/mlruns (test_observe reads it back).
+    It also logs to an MLflow file store, STORAGE/mlruns, and records every 4th step (test_observe reads both back).
     """
     from raytrain_ddp import TrainConfig, fit
 
@@ -52,6 +52,7 @@ def trained_run(ray_address, tmp_path_factory):
             report=False,
             tensorboard=False,
             mlflow_uri=f"file://{storage}/mlruns",
+            log_every_steps=4,  # 8 optimizer steps per epoch: steps.jsonl holds two records of each epoch
         )
     )
     assert result.ok, result.summary.get("error")

@@ -119,6 +119,7 @@ CASES = [
     ("more-workers-than-machine", ["--num-workers", "500"], "--num-workers 500 x 1 CPU does not fit this machine"),
     ("data-missing", ["--data", "/no/such/dataset"], "/no/such/dataset"),
     ("empty-mlflow-uri", ["--mlflow-uri", ""], "--mlflow-uri must not be empty"),
+    ("negative-log-every-steps", ["--log-every-steps", "-1"], "--log-every-steps must be at least 0, got -1"),
 ]
 
 
@@ -327,17 +328,83 @@ def test_help_lists_every_flag_with_examples():
 
 
 def test_console_script_is_the_same_cli():
-    import subprocess
-    import sys
+    """pyproject's `raytrain-ddp` is raytrain_ddp.cli:main, which `python -m raytrain_ddp` runs: run that for real."""
+    import tomllib
     from pathlib import Path
 
-    script = Path(sys.executable).parent / "raytrain-ddp"
-    if not script.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail("raytrain-ddp console script missing: `pip install -e .` did not run")
-        pytest.skip("raytrain-ddp is not installed in this environment (make test installs it)")
-    result = subprocess.run([str(script), "--num-workers", "0"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--num-workers must be at least 1" in result.stderr
+    from raytrain_ddp import cli
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    module, _, function = pyproject["project"]["scripts"]["raytrain-ddp"].partition(":")
+    assert (module, function) == (cli.__name__, cli.main.__name__)
+    result = run_cli("raytrain_ddp", "train", "--num-workers", "0", timeout=60)
+    assert result.returncode == 2 and result.stderr == "error: --num-workers must be at least 1, got 0\n"
+
+
+def command_main(args: list[str], capsys) -> tuple[int, str, str]:
+    """`raytrain-ddp ARGS` in this process: (exit code, stdout, stderr); signal handlers put back as cli_main."""
+    import signal
+
+    from raytrain_ddp import cli
+    from raytrain_ddp.driver.signals import STOP_SIGNALS
+
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:
+        code = cli.main(args)
+    except SystemExit as exit_:  # argparse's --help and usage errors
+        code = exit_.code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_command_help_names_every_command(capsys):
+    from raytrain_ddp.cli import COMMANDS
+
+    code, out, _ = command_main(["--help"], capsys)
+    assert code == 0 and out.startswith("usage: raytrain-ddp COMMAND")
+    assert all(f"\n  {name}  " in out and f"raytrain-ddp {name} " in out for name in COMMANDS)
+
+
+@pytest.mark.parametrize(
+    "command, flags",
+    [
+        ("train", ["--num-workers", "--config", "--use-gpu", "--storage-path"]),
+        ("prepare", ["--from", "--out", "--val-fraction", "--label-column"]),
+        ("inspect", ["path"]),
+        ("evaluate", ["checkpoint", "--device", "--json"]),
+        ("report", ["RUN_DIR", "--verbose"]),
+        ("status", ["--address"]),
+        ("slurm", ["TRAINER FLAGS", "sbatch"]),
+    ],
+)
+def test_every_command_has_help_with_its_flags_and_an_example(capsys, command, flags):
+    from raytrain_ddp.cli import COMMANDS
+
+    assert command in COMMANDS
+    code, out, err = command_main([command, "--help"], capsys)
+    assert code == 0 and not err
+    assert out.startswith(f"usage: raytrain-ddp {command} ") and f"\n  raytrain-ddp {command} " in out, out
+    assert "example" in out and all(flag in out for flag in flags), out
+
+
+@pytest.mark.parametrize(
+    "args, what", [([], "no command given"), (["trian"], "unknown command 'trian'"), (["--num-workers", "2"], "'--")]
+)
+def test_command_without_a_known_command_is_one_line_naming_them(capsys, args, what):
+    code, out, err = command_main(args, capsys)
+    assert code == 2 and not out and err.count("\n") == 1
+    assert err.startswith("error: ") and what in err
+    assert "choose one of: train, prepare, inspect, evaluate, report, status, slurm" in err
+
+
+@pytest.mark.parametrize("args", [["--num-workers", "0"], ["--num-gpus", "2"], ["--epochs", "three"]])
+def test_train_command_errors_are_the_run_modules(tmp_path, capsys, args):
+    argv = ["--storage-path", str(tmp_path / "runs"), *args]
+    code, _, err = command_main(["train", *argv], capsys)
+    assert (code, err) == cli_main(argv, capsys) and code == 2 and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(

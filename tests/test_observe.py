@@ -67,3 +67,20 @@ def test_mlflow_file_store_gets_params_and_metrics(trained_run):
     assert [m.step for m in history] == [1, 2]
     final = json.loads((trained_run / "summary.json").read_text())["final_metrics"]
     assert history[-1].value == pytest.approx(final["val_accuracy"])
+    steps = [json.loads(line) for line in (trained_run / "steps.jsonl").read_text().splitlines()]
+    step_history = client.get_metric_history(run.info.run_id, "step/train_loss")  # by optimizer step
+    assert [(m.step, m.value) for m in step_history] == [(r["step"], pytest.approx(r["train_loss"])) for r in steps]
+
+
+def test_steps_jsonl_records_every_4th_step_and_its_windows_make_up_the_epochs(trained_run):
+    steps = [json.loads(line) for line in (trained_run / "steps.jsonl").read_text().splitlines()]
+    epochs = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["epoch"], r["world_size"]) for r in steps] == [(4, 1, 2), (8, 1, 2), (12, 2, 2), (16, 2, 2)]
+    for record in steps:
+        assert record["train_loss_min"] <= record["train_loss"] <= record["train_loss_max"]
+        assert record["lr"] > 0 and record["samples_per_second"] > 0 and record["seconds"] > 0
+    for epoch in epochs:  # each epoch's 8 steps are two windows of 4, equal in samples: their mean is the epoch's
+        windows = [r for r in steps if r["epoch"] == epoch["epoch"]]
+        assert epoch["train_loss"] == pytest.approx(sum(r["train_loss"] for r in windows) / 2, rel=1e-5)
+        for rank, loss in enumerate(epoch["train_loss_per_rank"]):
+            assert loss == pytest.approx(sum(r["train_loss_per_rank"][rank] for r in windows) / 2, rel=1e-5)

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from raytrain_ddp import TrainConfig
-from raytrain_ddp.driver.epochs import aggregate_epoch, find_stragglers
+from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, find_stragglers
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.monitor import RunRecorder
 from raytrain_ddp.driver.run_files import MetricsFile
@@ -99,6 +99,69 @@ def test_stragglers_name_the_slow_input_pipeline_and_the_slow_compute():
     assert find_stragglers(no_wait_measured) == []
 
 
+def _step(step: int, rank: int, loss: float, samples: int = 64, seconds: float = 1.0) -> dict:
+    """A rank's record of a recorded step, as `EpochMeter.refresh_loss` makes it."""
+    return {"step": step, "epoch": 1, "lr": 0.1, "loss": loss, "samples": samples, "seconds": seconds}
+
+
+def test_a_step_record_weighs_ranks_by_samples_over_the_slowest_ranks_time():
+    record = aggregate_step({1: _step(10, 1, 3.0, samples=192, seconds=2.0), 0: _step(10, 0, 1.0)})
+    assert record == {
+        "step": 10,
+        "epoch": 1,
+        "train_loss": (1.0 * 64 + 3.0 * 192) / 256,
+        "train_loss_min": 1.0,
+        "train_loss_max": 3.0,
+        "train_loss_per_rank": [1.0, 3.0],
+        "lr": 0.1,
+        "samples_per_second": 128.0,
+        "seconds": 2.0,
+        "world_size": 2,
+    }
+
+
+def test_the_recorder_writes_each_step_once_every_rank_has_it_and_a_step_trained_again_replaces(tmp_path):
+    config = TrainConfig(num_workers=2, log_every_steps=10, storage_path=str(tmp_path), name="unit")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+    steps_file = config.run_dir / "steps.jsonl"
+
+    def written() -> list[tuple[int, float]]:
+        return [(r["step"], r["train_loss"]) for r in map(json.loads, steps_file.read_text().splitlines())]
+
+    recorder.consume([("steps", 0, [_step(10, 0, 2.0), _step(20, 0, 1.0)])])
+    assert not steps_file.exists()  # rank 1 has not sent them
+    recorder.consume([("steps", 1, [_step(10, 1, 4.0)]), ("steps", 1, [_step(20, 1, 3.0)])])
+    assert written() == [(10, 3.0), (20, 2.0)]
+    recorder.consume([("steps", 0, [_step(30, 0, 1.0)])])  # the group restarts from a checkpoint at step 10:
+    recorder.consume([("started", 0, {"rank": 0, "world_size": 2, "hostname": "h", "node_id": "n"})])
+    recorder.consume([("steps", rank, [_step(20, rank, 5.0)]) for rank in (0, 1)])
+    assert written() == [(10, 3.0), (20, 5.0)]  # step 20 trained again; step 30's half record is gone
+    resumed = RunRecorder(config.run_dir, config, 512, 2, [])  # the same command again: appends after them
+    resumed.consume([("steps", rank, [_step(30, rank, 0.5)]) for rank in (0, 1)])
+    assert written() == [(10, 3.0), (20, 5.0), (30, 0.5)]
+    off = TrainConfig(num_workers=2, log_every_steps=0, storage_path=str(tmp_path), name="off")
+    off.run_dir.mkdir(parents=True)
+    assert RunRecorder(off.run_dir, off, 512, 2, []).steps_file is None
+
+
+def test_the_meter_reads_the_marked_steps_with_the_loss_each_over_its_own_micro_batches():
+    import torch
+
+    from raytrain_ddp.worker.metrics import EpochMeter
+
+    meter = EpochMeter()
+    for loss, mark in ((1.0, None), (3.0, {"step": 2}), (5.0, None), (6.0, None), (7.0, {"step": 5})):
+        meter.add(torch.tensor(loss), 4)
+        if mark:
+            meter.mark_step(mark)
+    meter.add(torch.tensor(100.0), 4)  # after the last marked step: in no step record
+    assert meter.step_records == []  # nothing read before the refresh
+    assert meter.refresh_loss() == pytest.approx(122 / 6)
+    assert [(r["step"], r["loss"], r["samples"]) for r in meter.step_records] == [(2, 2.0, 8), (5, 6.0, 12)]
+    assert all(r["seconds"] >= 0 for r in meter.step_records)
+
+
 def _beat(epoch: int, steps: int, phase: str, phase_done: int = 0) -> dict:
     """A heartbeat as the monitor hands it over."""
     return {"epoch": epoch, "steps": steps, "samples": 0, "loss": 1.0, "phase": phase, "phase_done": phase_done}
@@ -178,17 +241,24 @@ def test_the_heartbeat_posts_validation_progress_and_compilation_as_a_phase(monk
     posted: list[tuple] = []
     seen = {phase: threading.Event() for phase in ("validating", "compiling", "training")}
 
-    def post(rank, epoch, micro_batches_started, samples, loss, phase, phase_done):
+    def post(rank, epoch, micro_batches_started, samples, loss, phase, phase_done, step_records):
         posted.append((phase, phase_done))
+        steps_posted.extend(step_records)
         if phase in seen:
             seen[phase].set()
 
+    steps_posted: list[dict] = []
     monkeypatch.setattr(Heartbeat, "INTERVAL_S", 0.02)
     heartbeat = Heartbeat(post, rank=0)
+    heartbeat.step_records.extend([{"step": 10}, {"step": 20}])  # what the loop's loss check hands over
     heartbeat.at("validating", 1, EpochMeter())
     heartbeat.advance(3)
     assert seen["validating"].wait(30)
     assert ("validating", 3) in posted
+    heartbeat.step_records.append({"step": 30})
+    sent: list[dict] = []
+    heartbeat.send_step_records(sent.extend)  # the epoch's message takes what no beat has posted yet
+    assert steps_posted + sent == [{"step": 10}, {"step": 20}, {"step": 30}]
     heartbeat.at("training", 1, EpochMeter())
     heartbeat.follow_compiles()
 

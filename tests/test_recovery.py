@@ -64,6 +64,9 @@ def test_sigkilled_worker_is_replaced_and_training_resumes(ray_address, tmp_path
     assert result.ok, result.summary["error"]
     assert result.summary["restarts"] == 1
     assert _epochs(tmp_path / "killed") == [1, 2, 3]  # every epoch exactly once
+    steps = [json.loads(line) for line in (tmp_path / "killed" / "steps.jsonl").read_text().splitlines()]
+    # every 10th of the 3 x 32 optimizer steps exactly once, the restart's included (--log-every-steps 10)
+    assert [(r["step"], r["epoch"]) for r in steps] == [(s, (s - 1) // 32 + 1) for s in range(10, 97, 10)]
     assert result.summary["replicas_identical"]
     assert result.final_metrics["val_accuracy"] > 0.8  # as an uninterrupted run of this size (0.9+; chance 0.1)
 

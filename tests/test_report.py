@@ -20,7 +20,14 @@ from support import run_cli
 pytestmark = pytest.mark.ray
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CORE_PLOTS = {"loss.png", "val_accuracy.png", "throughput_per_rank.png", "data_wait_seconds_per_rank.png"}
+CORE_PLOTS = {
+    "loss.png",
+    "val_accuracy.png",
+    "throughput_per_rank.png",
+    "data_wait_seconds_per_rank.png",
+    "loss_per_step.png",  # the shared run records every 4th step
+    "throughput_per_step.png",
+}
 SECTION_IDS = {"summary", "workers", "epochs", "config"}
 
 
@@ -201,6 +208,9 @@ def test_tensorboard_log_round_trip(tmp_path, trained_run):
     for rec in records:
         tb.write_epoch(rec)
     tb.write_epoch({"epoch": 3, "train_loss": None, "samples_per_rank": "?"})  # junk is skipped, not fatal
+    steps = [json.loads(line) for line in (trained_run / "steps.jsonl").read_text().splitlines()]
+    for rec in steps:
+        tb.write_step(rec)
     tb.close()
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -235,6 +245,12 @@ def test_tensorboard_log_round_trip(tmp_path, trained_run):
     assert series("data_wait/rank_0") == [
         (r["epoch"], pytest.approx(r["data_wait_seconds_per_rank"][0], rel=1e-6)) for r in records
     ]
+    for tag, key in [
+        ("step/train_loss", "train_loss"),
+        ("step/lr", "lr"),
+        ("step/samples_per_second", "samples_per_second"),
+    ]:
+        assert series(tag) == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in steps], tag
 
 
 def _chromium() -> str:

@@ -76,7 +76,7 @@ def _blocked_rank(rank: int, store_dir: str, result_file: str) -> None:
     in_collective = threading.Event()
     posted = []
 
-    def post(rank, epoch, micro_batches_started, samples, loss, phase, phase_done):
+    def post(rank, epoch, micro_batches_started, samples, loss, phase, phase_done, step_records):
         posted.append((epoch, micro_batches_started, samples, loss, phase))
         if in_collective.is_set():
             during = sum(1 for p in posted if p[4] == "training")

@@ -486,7 +486,24 @@ def _prefix_lines(stream, prefix: str) -> None:
         sys.stdout.flush()
 
 
-def main(argv: list[str]) -> int:
+HELP = """\
+usage: {prog} [TRAINER FLAGS]
+
+The batch part of a Slurm job: a Ray cluster on the job's nodes, then the trainer on it; on the time
+limit (USR1) a checkpoint, a requeue and a resume. Run inside a job, as cluster/start_ray_slurm.sh does.
+TRAINER FLAGS are the trainer's (python -m raytrain_ddp.run --help), less --address.
+
+examples:
+  sbatch --nodes=2 --gpus-per-node=3 cluster/start_ray_slurm.sh --epochs 10 --data /shared/ds
+  {prog} --epochs 10 --data /shared/ds     # the last line of your own sbatch script
+"""
+
+
+def main(argv: list[str], prog: str = "python -m raytrain_ddp.cluster slurm") -> int:
+    """prog: the command's name in --help (`raytrain-ddp slurm` calls this too)."""
+    if "-h" in argv or "--help" in argv:
+        print(HELP.format(prog=prog), end="")
+        return 0
     setup_logging()
     launcher = Launcher(argv)
     launcher.install_signal_handlers()

@@ -15,12 +15,18 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
-        prog="python -m raytrain_ddp.cluster", description="Look at the Ray cluster a training run would use."
-    )
+def build_parser(prog: str = "python -m raytrain_ddp.cluster") -> argparse.ArgumentParser:
+    """prog: the command's name in --help (`raytrain-ddp` for `raytrain-ddp status`)."""
+    parser = OneLineErrorParser(prog=prog, description="Look at the Ray cluster a training run would use.")
     commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="per-node CPUs, GPUs, memory and how many workers fit")
+    status = commands.add_parser(
+        "status",
+        help="per-node CPUs, GPUs, memory and how many workers fit",
+        description="Per-node CPUs, GPUs, memory and how many training workers fit on each.",
+        epilog="examples:\n  %(prog)s                          # $RAY_ADDRESS, else the local cluster"
+        "\n  %(prog)s --address 10.0.0.1:6379",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     status.add_argument(
         "--address",
         help="Ray cluster, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else the cluster started on this machine)",
@@ -77,8 +83,8 @@ def status(address: str | None) -> str:
     return f"Ray cluster: {len(nodes)} alive node(s)\n{status_table(nodes)}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.cluster") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         print(status(args.address))
     except ConfigError as err:

@@ -30,13 +30,28 @@ THUMBNAIL_MAX_WIDTH = 24  # pixels; each is drawn as two characters
 MAX_CLASSES_SHOWN = 20
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
-        prog="python -m raytrain_ddp.data", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
+PROG = "python -m raytrain_ddp.data"
+PREPARE_EXAMPLES = """\
+examples:
+  %(prog)s --from imagefolder ./images --out /shared/ds --val-fraction 0.1
+  %(prog)s --from cifar10 ~/data/cifar-10-batches-py --out /shared/cifar10
+  %(prog)s --from csv table.csv --label-column species --out /shared/iris
+"""
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """prog: the command's name in --help (`raytrain-ddp` for `raytrain-ddp prepare|inspect`)."""
+    parser = OneLineErrorParser(prog=prog, description=__doc__.split("\n")[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    convert = commands.add_parser("prepare", help="convert a source into a Parquet dataset", allow_abbrev=False)
+    convert = commands.add_parser(
+        "prepare",
+        help="convert a source into a Parquet dataset",
+        description="Convert an image folder, CIFAR-10's python batches or a CSV file into a Parquet dataset.",
+        epilog=PREPARE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     convert.add_argument("--from", dest="source_kind", choices=SOURCES, required=True, help="source format")
     convert.add_argument("source", help="image folder root, CIFAR-10 python directory, or CSV file")
     convert.add_argument("--out", required=True, help="dataset directory to create")
@@ -48,13 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--rows-per-file", type=int, default=DEFAULT_ROWS_PER_FILE)
     convert.add_argument("--row-group-size", type=int, default=DEFAULT_ROW_GROUP_SIZE)
 
-    show = commands.add_parser("inspect", help="check a dataset and describe it", allow_abbrev=False)
+    show = commands.add_parser(
+        "inspect",
+        help="check a dataset and describe it",
+        description="Check a dataset and print its schema, rows, classes, size and a decoded sample.",
+        epilog="example:\n  %(prog)s /shared/ds",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     show.add_argument("path", help="dataset directory, Parquet file, directory, glob or URI")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         if args.command == "prepare":

@@ -1,6 +1,8 @@
-"""One epoch's record from every rank's message: the numbers metrics.jsonl holds, and the stragglers.
+"""One epoch's record from every rank's message: the numbers metrics.jsonl holds, and the stragglers; and one
+recorded step's, for steps.jsonl.
 
-Pure functions of the ranks' messages (see ``WorkerLoop.report_epoch``): no Ray, no files.
+Pure functions of the ranks' messages (see ``WorkerLoop.report_epoch`` and ``EpochMeter.refresh_loss``): no Ray,
+no files.
 """
 
 from __future__ import annotations
@@ -52,6 +54,28 @@ def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
         record["gpu_memory_peak_gib_per_rank"] = [m["gpu_memory_peak_gib"] for m in ranks]
     record["stragglers"] = find_stragglers(record)
     return record
+
+
+def aggregate_step(by_rank: dict[int, dict]) -> dict:
+    """The cross-rank record of one recorded optimizer step: each rank's message covers its micro-batches since
+    its previous recorded step (or the epoch's start)."""
+    ranks = [by_rank[r] for r in sorted(by_rank)]
+    samples = [m["samples"] for m in ranks]
+    losses = [m["loss"] for m in ranks]
+    seconds = max(m["seconds"] for m in ranks)
+    first = ranks[0]
+    return {
+        "step": first["step"],
+        "epoch": first["epoch"],
+        "train_loss": sum(l * n for l, n in zip(losses, samples)) / sum(samples),
+        "train_loss_min": min(losses),
+        "train_loss_max": max(losses),
+        "train_loss_per_rank": losses,
+        "lr": first["lr"],
+        "samples_per_second": sum(samples) / seconds if seconds > 0 else None,
+        "seconds": seconds,
+        "world_size": len(ranks),
+    }
 
 
 def validation_results(ranks: list[dict]) -> list[tuple[float, float]]:

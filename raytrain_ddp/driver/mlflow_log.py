@@ -1,4 +1,5 @@
-"""Optional MLflow logging (`--mlflow-uri`): the config as params, each epoch's scalars as metrics.
+"""Optional MLflow logging (`--mlflow-uri`): the config as params, each epoch's scalars as metrics (step = the
+epoch), and each recorded optimizer step's (steps.jsonl: step = the optimizer step).
 
 Works with a tracking server (http://...) or a local file store
 (file:///path/mlruns). MLflow is an optional extra: pip install 'raytrain-ddp[mlflow]'.
@@ -13,7 +14,7 @@ import threading
 import time
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.driver.tensorboard_log import epoch_scalars
+from raytrain_ddp.driver.tensorboard_log import epoch_scalars, step_scalars
 from raytrain_ddp.errors import ConfigError, one_line
 from raytrain_ddp.redact import redact
 
@@ -64,10 +65,11 @@ class MlflowLog:
             run_id = client.create_run(experiment_id, run_name=name).info.run_id
             client.log_batch(run_id, params=params)
             log.info("MLflow: run %s in experiment %r at %s", run_id, EXPERIMENT, self.shown_uri)
-            while (item := self._queue.get())[0] == "epoch":
+            while (item := self._queue.get())[0] != "close":
                 now_ms = int(time.time() * 1000)
-                record = item[1]
-                metrics = [Metric(key, value, now_ms, record["epoch"]) for key, value in epoch_scalars(record).items()]
+                kind, record = item
+                scalars = epoch_scalars(record) if kind == "epoch" else step_scalars(record)
+                metrics = [Metric(key, value, now_ms, record[kind]) for key, value in scalars.items()]
                 client.log_batch(run_id, metrics=metrics)
             client.set_terminated(run_id, status=item[1])
         except Exception as err:  # the server, the network, a credential: the training goes on
@@ -80,6 +82,9 @@ class MlflowLog:
 
     def write_epoch(self, record: dict) -> None:
         self._queue.put(("epoch", record))
+
+    def write_step(self, record: dict) -> None:
+        self._queue.put(("step", record))
 
     def close(self, status: str = "FINISHED") -> None:
         self._queue.put(("close", status))

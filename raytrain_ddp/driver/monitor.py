@@ -10,7 +10,8 @@ show the cross-rank picture rather than rank zero's alone.
 attempt. When every rank has finished an epoch, :mod:`.epochs` aggregates
 the messages into one record, :mod:`.run_files` rewrites ``metrics.jsonl``
 and :mod:`.console` prints a table row; the heartbeats feed the watchdog's
-:mod:`.liveness`.
+:mod:`.liveness` and bring each rank's records of every ``--log-every-steps``-th
+optimizer step, aggregated as each step is in from every rank into ``steps.jsonl``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.console import Console
-from raytrain_ddp.driver.epochs import aggregate_epoch, validation_results
+from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, validation_results
 from raytrain_ddp.driver.liveness import Liveness
-from raytrain_ddp.driver.run_files import MetricsFile
+from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -50,19 +51,34 @@ class RunMonitor:
         self._events.append(("started", rank, info))
 
     def progress(
-        self, rank: int, epoch: int, steps: int, samples: int, loss: float, phase: str, phase_done: int
+        self,
+        rank: int,
+        epoch: int,
+        steps: int,
+        samples: int,
+        loss: float,
+        phase: str,
+        phase_done: int,
+        step_records: list[dict],
     ) -> str | None:
-        """Record where a rank is; answer whether the driver wants the run stopped.
+        """Record where a rank is, and its steps.jsonl records since the last beat; answer whether the driver
+        wants the run stopped.
 
         `phase_done`: the progress inside the phase (see `Heartbeat.advance`). Stamped with this node's
         monotonic clock, which the driver (on the same node) reads for the watchdog's deadline.
         """
         where = {"epoch": epoch, "steps": steps, "samples": samples, "loss": loss, "phase": phase}
         self._events.append(("progress", rank, {**where, "phase_done": phase_done, "time": time.monotonic()}))
+        self._add_steps(rank, step_records)
         return self._stop_reason
 
-    def epoch_finished(self, rank: int, metrics: dict) -> None:
+    def epoch_finished(self, rank: int, metrics: dict, step_records: list[dict]) -> None:
+        self._add_steps(rank, step_records)
         self._events.append(("epoch", rank, metrics))
+
+    def _add_steps(self, rank: int, step_records: list[dict]) -> None:
+        if step_records:
+            self._events.append(("steps", rank, step_records))
 
     def worker_finished(self, rank: int, checksum: str) -> None:
         self._events.append(("finished", rank, checksum))
@@ -88,13 +104,15 @@ class RunRecorder:
         self.config = config
         self.train_rows = train_rows
         self.world_size = world_size  # of the current attempt: elastic runs (--min-workers) change it
-        self.sinks = sinks  # TensorBoardLog, MlflowLog: anything with write_epoch(record)
+        self.sinks = sinks  # TensorBoardLog, MlflowLog: anything with write_epoch(record) and write_step(record)
         self.workers: dict[int, dict] = {}
         self.starts_of_rank0 = 0
         self.checksums: dict[int, str] = {}
         self.metrics_file = MetricsFile(run_dir)
         self.epochs: dict[int, dict] = self.metrics_file.read()  # epoch -> aggregated record
         self._pending: dict[int, dict[int, dict]] = {}  # epoch -> rank -> metrics
+        self.steps_file = StepsFile(run_dir) if config.log_every_steps else None
+        self._pending_steps: dict[int, dict[int, dict]] = {}  # global step -> rank -> its record
         self.liveness = Liveness()
         self.console = Console(config.epochs)
         self.lost_nodes: list[dict] = []
@@ -131,6 +149,11 @@ class RunRecorder:
                 self._pending.setdefault(payload["epoch"], {})[rank] = payload
                 if len(self._pending[payload["epoch"]]) == self.world_size:
                     self._record_epoch(self._pending.pop(payload["epoch"]))
+            elif kind == "steps":
+                for record in payload:
+                    self._pending_steps.setdefault(record["step"], {})[rank] = record
+                    if len(self._pending_steps[record["step"]]) == self.world_size:
+                        self._record_step(self._pending_steps.pop(record["step"]))
             elif kind == "finished":
                 self.checksums[rank] = payload
         if self.liveness.positions:
@@ -143,7 +166,8 @@ class RunRecorder:
         """Ray Train started a worker group (the first, or a restart): follow its world size."""
         self.starts_of_rank0 += 1
         self.interrupted_at = None
-        self._pending.clear()  # half-reported epochs of a lost group are trained again
+        self._pending.clear()  # half-reported epochs (and steps) of a lost group are trained again
+        self._pending_steps.clear()
         self.checksums.clear()
         if self.starts_of_rank0 > 1:
             log.warning("Ray Train restarted the workers from the latest checkpoint (restart %d)", self.restarts)
@@ -181,3 +205,9 @@ class RunRecorder:
         for sink in self.sinks:
             sink.write_epoch(record)
         self.console.show_row(record, progress_shown=bool(self.liveness.positions))
+
+    def _record_step(self, by_rank: dict[int, dict]) -> None:
+        record = aggregate_step(by_rank)
+        self.steps_file.add(record)
+        for sink in self.sinks:
+            sink.write_step(record)

@@ -110,15 +110,17 @@ def _normal(field: str, value):
 
 
 def prepare(config: TrainConfig) -> Path:
-    """Create the run directory, (re)write config.toml, keep the whole lines of a metrics.jsonl cut short."""
+    """Create the run directory, (re)write config.toml, keep the whole lines of a metrics.jsonl or steps.jsonl
+    cut short."""
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "config.toml", redact(to_toml(config)))
-    _repair_metrics(run_dir / "metrics.jsonl")
+    _repair_records(run_dir / "metrics.jsonl", "epoch")
+    _repair_records(run_dir / "steps.jsonl", "step")
     return run_dir
 
 
-def _repair_metrics(path: Path) -> None:
+def _repair_records(path: Path, key: str) -> None:
     if not path.exists():
         return
     kept, dropped = [], []
@@ -127,15 +129,17 @@ def _repair_metrics(path: Path) -> None:
             record = json.loads(line) if line.strip() else None
         except ValueError:
             record = None
-        if isinstance(record, dict) and "epoch" in record:
+        if isinstance(record, dict) and key in record:
             kept.append(line)
         elif line.strip():
             dropped.append(number)
     if dropped:
         log.warning(
-            "%s: line(s) %s are not epoch records (cut short?): dropped, %d epoch record(s) kept",
+            "%s: line(s) %s are not %s records (cut short?): dropped, %d %s record(s) kept",
             path,
             ", ".join(map(str, dropped)),
+            key,
             len(kept),
+            key,
         )
         write_atomic(path, "".join(line + "\n" for line in kept))

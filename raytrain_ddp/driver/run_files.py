@@ -1,4 +1,5 @@
-"""The run directory's record of epochs: ``metrics.jsonl``, one aggregated record per line."""
+"""The run directory's records: ``metrics.jsonl`` (one aggregated record per epoch) and ``steps.jsonl`` (one per
+recorded optimizer step), a line each."""
 
 from __future__ import annotations
 
@@ -24,3 +25,23 @@ class MetricsFile:
     def write(self, epochs: dict[int, dict]) -> None:
         """Every epoch's record in epoch order (an epoch re-run after a restart has replaced its record)."""
         write_atomic(self.path, "".join(json.dumps(epochs[e]) + "\n" for e in sorted(epochs)))
+
+
+class StepsFile:
+    """RUN_DIR/steps.jsonl: appended to as each recorded step is in from every rank (a resumed run's kept)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "steps.jsonl"
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        self.records = [json.loads(line) for line in lines if line.strip()]
+
+    def add(self, record: dict) -> None:
+        """A step at or before the last one recorded is trained again (after a restart or a resume from an
+        earlier checkpoint): it and the steps after it are replaced."""
+        if self.records and record["step"] <= self.records[-1]["step"]:
+            self.records = [r for r in self.records if r["step"] < record["step"]] + [record]
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            return
+        self.records.append(record)
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")

@@ -2,6 +2,7 @@
 
     tb = TensorBoardLog(run_dir)          # events go to RUN_DIR/tensorboard/
     tb.write_epoch(record)                # each metrics.jsonl record, as it is written
+    tb.write_step(record)                 # each steps.jsonl record (--log-every-steps)
     tb.close()
 
     tensorboard --logdir RUN_DIR/tensorboard     (or STORAGE_PATH to compare runs)
@@ -13,6 +14,9 @@ rank ``throughput/rank_{r}`` (samples_per_rank / seconds), ``data_wait/rank_{r}`
 ``gpu_memory_peak_gib/rank_{r}``. Any other ``NAME_per_rank`` number list becomes
 ``NAME/rank_{r}``. A field a record lacks (or holds as a non-number) is skipped:
 logging must never stop a training run.
+
+Per recorded optimizer step, with ``global_step`` = the optimizer step: step/train_loss,
+step/train_loss_min, step/train_loss_max, step/lr, step/samples_per_second.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ SCALARS = {  # record field -> tag
     "samples_per_second": "throughput/samples_per_second",
     "seconds": "time/epoch_seconds",
 }
+STEP_SCALARS = {  # steps.jsonl field -> tag
+    "train_loss": "step/train_loss",
+    "train_loss_min": "step/train_loss_min",
+    "train_loss_max": "step/train_loss_max",
+    "lr": "step/lr",
+    "samples_per_second": "step/samples_per_second",
+}
 PER_RANK = {  # record field -> tag group; each rank r is GROUP/rank_{r}
     "data_wait_seconds_per_rank": "data_wait",
     "train_loss_per_rank": "train_loss",
@@ -53,13 +64,18 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _scalars(record: dict, tags: dict[str, str]) -> dict[str, float]:
+    return {tag: value for key, tag in tags.items() if (value := _number(record.get(key))) is not None}
+
+
+def step_scalars(record: dict) -> dict[str, float]:
+    """The tag -> value pairs one steps.jsonl record gives (no step)."""
+    return _scalars(record, STEP_SCALARS)
+
+
 def epoch_scalars(record: dict) -> dict[str, float]:
     """The tag -> value pairs one epoch record gives (no step)."""
-    out: dict[str, float] = {}
-    for key, tag in SCALARS.items():
-        value = _number(record.get(key))
-        if value is not None:
-            out[tag] = value
+    out = _scalars(record, SCALARS)
     seconds = _number(record.get("seconds"))
     samples = record.get("samples_per_rank")
     if seconds and isinstance(samples, list):
@@ -94,16 +110,23 @@ class TensorBoardLog:
 
     def write_epoch(self, record: dict) -> None:
         """One point per scalar at global_step = record["epoch"]; flushed so TensorBoard shows it now."""
-        step = record.get("epoch")
+        self._write("epoch", record, epoch_scalars(record))
+
+    def write_step(self, record: dict) -> None:
+        """One point per scalar at global_step = record["step"], the optimizer step."""
+        self._write("step", record, step_scalars(record))
+
+    def _write(self, key: str, record: dict, scalars: dict[str, float]) -> None:
+        step = record.get(key)
         if self._writer is None or isinstance(step, bool) or not isinstance(step, int):
-            log.debug("TensorBoard: record without an integer epoch (or log closed); skipped")
+            log.debug("TensorBoard: record without an integer %s (or log closed); skipped", key)
             return
         try:
-            for tag, value in epoch_scalars(record).items():
+            for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             self._writer.flush()
-        except Exception as err:  # a full disk must not end the run; the metrics are in metrics.jsonl too
-            log.warning("TensorBoard: could not write epoch %s: %s", step, err)
+        except Exception as err:  # a full disk must not end the run; the metrics are in the .jsonl files too
+            log.warning("TensorBoard: could not write %s %s: %s", key, step, err)
 
     def close(self) -> None:
         if self._writer is not None:

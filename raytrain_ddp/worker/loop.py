@@ -303,10 +303,13 @@ class WorkerLoop:
         self.hooks.on_micro_batch(self.rank, epoch, micro_batch)
         if not synchronise:
             return False
+        lr = trainer.lr  # this step's; the schedule moves it on in optimizer_step
         run.skipped_steps += not trainer.optimizer_step()
         run.optimizer_steps += 1
         self.hooks.on_optimizer_step(self.rank, epoch, run.optimizer_steps)
         self.position.global_step += 1
+        if config.log_every_steps and self.position.global_step % config.log_every_steps == 0:
+            meter.mark_step({"step": self.position.global_step, "epoch": epoch, "lr": lr})
         return not is_last and self.between_steps(epoch, run)  # after the last step: the epoch's own checkpoint
 
     def between_steps(self, epoch: int, run: EpochRun) -> bool:
@@ -325,8 +328,11 @@ class WorkerLoop:
         return False
 
     def check_loss(self, epoch: int, meter: EpochMeter) -> None:
-        """Refresh the host copy of the loss (the heartbeat's); stop on NaN/inf unless skipping them."""
+        """Refresh the host copy of the loss (the heartbeat's) and of the marked steps' (to the heartbeat's
+        steps.jsonl records); stop on NaN/inf unless skipping them."""
         loss = meter.refresh_loss()
+        self.heartbeat.step_records.extend(meter.step_records)
+        meter.step_records.clear()
         if not self.config.skip_nonfinite:
             check_finite(loss, self.rank, epoch, meter.micro_batches)
 
@@ -417,7 +423,9 @@ class WorkerLoop:
         if self.device.type == "cuda":
             rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
-        ray.get(self.monitor.epoch_finished.remote(self.rank, rank_metrics))
+        self.heartbeat.send_step_records(
+            lambda steps: ray.get(self.monitor.epoch_finished.remote(self.rank, rank_metrics, steps))
+        )
 
     def checkpoint(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
         """Rank zero alone writes the checkpoint; every rank reports, so Ray Train sees the whole group finish

@@ -6,6 +6,7 @@ import hashlib
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,11 @@ class EpochMeter:
     skip_nonfinite: bool = False  # leave NaN/inf losses out of the mean (decided on the device)
     started: float = field(default_factory=time.perf_counter)
     _sums: torch.Tensor | None = None  # on the device: [weighted loss sum, samples counted]
+    # --log-every-steps: the steps marked since the last refresh, each with its `_sums` (kept, not copied:
+    # `add` makes a new tensor), read at the next refresh; and the records made of them, for the heartbeat
+    _marks: list[tuple[dict, torch.Tensor, int, float]] = field(default_factory=list)
+    _last_mark: tuple[float, float, int, float] | None = None  # loss sum, counted, samples, time
+    step_records: list[dict] = field(default_factory=list)
 
     def add(self, loss: torch.Tensor, batch_size: int) -> None:
         """Count a micro-batch's loss."""
@@ -46,11 +52,33 @@ class EpochMeter:
         self.samples += batch_size
         self.micro_batches += 1
 
+    def mark_step(self, record: dict) -> None:
+        """An optimizer step to record in steps.jsonl: its loss is read at the next refresh, not now."""
+        self._marks.append((record, self._sums, self.samples, time.perf_counter()))
+
     def refresh_loss(self) -> float:
-        """The mean loss so far, read from the device (one sync): call only at the documented cadences."""
-        if self._sums is not None:
-            loss_sum, counted = self._sums.tolist()
-            self.loss = loss_sum / counted if counted else float("nan")
+        """The mean loss so far, read from the device (one sync): call only at the documented cadences.
+
+        The marked steps are read in the same sync; each becomes a record in `step_records` with this
+        rank's mean loss, samples and seconds since the previous marked step (or the epoch's start).
+        """
+        if self._sums is None:
+            return self.loss
+        marks, self._marks = self._marks, []
+        (loss_sum, counted), *marked = torch.stack([self._sums, *(mark[1] for mark in marks)]).tolist()
+        self.loss = loss_sum / counted if counted else float("nan")
+        for (record, _, samples, at), (mark_sum, mark_counted) in zip(marks, marked):
+            last_sum, last_counted, last_samples, last_at = self._last_mark or (0.0, 0.0, 0, self.started)
+            window = mark_counted - last_counted
+            self.step_records.append(
+                {
+                    **record,
+                    "loss": (mark_sum - last_sum) / window if window else float("nan"),
+                    "samples": samples - last_samples,
+                    "seconds": at - last_at,
+                }
+            )
+            self._last_mark = (mark_sum, mark_counted, samples, at)
         return self.loss
 
     def seconds(self) -> float:
@@ -86,7 +114,8 @@ class Heartbeat:
 
     The loop only sets attributes (no call, no sync per micro-batch); the thread
     posts them with `post(rank, epoch, micro_batches_started, samples, loss,
-    phase, phase_done)`, which answers a stop reason or None, and keeps posting
+    phase, phase_done, step_records)` (the steps.jsonl records the loop's
+    last loss refresh made), which answers a stop reason or None, and keeps posting
     while the loop is blocked, so the driver's watchdog sees every rank's
     position during a hang. It reads host values only: a device read would
     queue behind the very kernel (an NCCL all-reduce) that hangs. A rank stuck
@@ -100,6 +129,8 @@ class Heartbeat:
 
     def __init__(self, post, rank: int) -> None:
         self.post, self.rank = post, rank
+        self.step_records: deque[dict] = deque()  # the loop's steps.jsonl records, posted with the next beat
+        self.sending = threading.Lock()  # a rank's step records reach the driver in step order
         self.phase, self.epoch, self.meter = "starting", 0, EpochMeter()
         self.phase_done = 0  # progress inside the phase: validation batches done, CHECKPOINT_STAGES index
         self.compiling = False
@@ -126,25 +157,36 @@ class Heartbeat:
     def _compile_ended(self, *_args) -> None:
         self.compiling = False
 
+    def send_step_records(self, send: Callable[[list[dict]], object]) -> None:
+        """`send(records)` the step records not yet posted (with the epoch's message), in order with the beats."""
+        with self.sending:
+            send(self._take_step_records())
+
+    def _take_step_records(self) -> list[dict]:
+        return [self.step_records.popleft() for _ in range(len(self.step_records))]
+
     def _post_forever(self) -> None:
         while True:
             time.sleep(self.INTERVAL_S)
             meter, phase = self.meter, "compiling" if self.compiling else self.phase
-            try:
-                self.stop_reason = (
-                    self.post(
-                        self.rank,
-                        self.epoch,
-                        meter.micro_batches_started,
-                        meter.samples,
-                        meter.loss,
-                        phase,
-                        self.phase_done,
+            with self.sending:
+                records = self._take_step_records()
+                try:
+                    self.stop_reason = (
+                        self.post(
+                            self.rank,
+                            self.epoch,
+                            meter.micro_batches_started,
+                            meter.samples,
+                            meter.loss,
+                            phase,
+                            self.phase_done,
+                            records,
+                        )
+                        or self.stop_reason
                     )
-                    or self.stop_reason
-                )
-            except Exception:  # the monitor restarting or busy: keep beating, ask again next time
-                continue
+                except Exception:  # the monitor restarting or busy: keep beating, ask again next time
+                    self.step_records.extendleft(reversed(records))
 
 
 def monitor_post(monitor):
