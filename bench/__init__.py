@@ -1,4 +1,4 @@
-"""Benchmark suite (issue 7): `python -m bench [--quick] [--json FILE]`.
+"""Benchmark suite (issue 7): `python -m bench [--quick | --smoke] [--json FILE]`.
 
 Compares this project's Ray Train trainer with plain PyTorch DDP started by
 torchrun, on the same model, data, optimizer and worker count, on this machine.

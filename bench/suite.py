@@ -79,10 +79,22 @@ class Sizes:
     ingest_rows: int  # training rows of the ingest figure's own Parquet files (an epoch many tasks long)
     ingest_epochs: int
     loader_cpus: int  # loader CPUs for ingest (Ray Data's logical CPUs / DataLoader workers, in total)
+    parquet_pair: bool = True  # the Parquet PNG training pair (ours and plain reading the same files)
 
 
 QUICK = Sizes(  # the smallest that still has a steady-state window (micro-batches 10.. of 32 per epoch)
     train_size=1024, val_size=64, epochs=2, batch_size=16, repeats=1, ingest_rows=8192, ingest_epochs=5, loader_cpus=2
+)
+SMOKE = Sizes(  # every part runs once, on the least data that still has a window: a check, not a measurement
+    train_size=512,
+    val_size=32,
+    epochs=2,
+    batch_size=16,
+    repeats=1,
+    ingest_rows=4096,
+    ingest_epochs=3,
+    loader_cpus=2,
+    parquet_pair=False,
 )
 FULL = Sizes(
     train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_rows=32768, ingest_epochs=8, loader_cpus=2
@@ -329,9 +341,10 @@ def run_suite(sizes: Sizes, log=print) -> dict:
             one = bench.ours_train(1, "memory")
             samples["ours_1w"].append(one)
             say(f"ours, 1 worker: {one['samples_per_s']:.0f} samples/s")
-            o, p = pair(lambda: bench.ours_train(2, "parquet"), lambda: bench.plain_train(2, "parquet"))
-            samples["ours_pq"].append(o), samples["plain_pq"].append(p)
-            say(f"Parquet PNG: ours {o['samples_per_s']:.0f}, plain {p['samples_per_s']:.0f} samples/s")
+            if sizes.parquet_pair:
+                o, p = pair(lambda: bench.ours_train(2, "parquet"), lambda: bench.plain_train(2, "parquet"))
+                samples["ours_pq"].append(o), samples["plain_pq"].append(p)
+                say(f"Parquet PNG: ours {o['samples_per_s']:.0f}, plain {p['samples_per_s']:.0f} samples/s")
             o, p = pair(bench.ours_ingest, bench.plain_ingest)
             samples["ours_ingest"].append(o), samples["plain_ingest"].append(p)
             say(
@@ -353,6 +366,8 @@ def summarise(samples: dict, sizes: Sizes, seconds: float) -> dict:
     }
     out: dict = {"figures": {}}
     for name, (unit, ours, plain) in figures.items():
+        if not ours:  # a part this mode leaves out (--smoke: the Parquet pair)
+            continue
         ratios = [a / b for a, b in zip(ours, plain)]
         cmp, bound = TARGETS[name]
         median = statistics.median(ratios)
@@ -377,6 +392,7 @@ def summarise(samples: dict, sizes: Sizes, seconds: float) -> dict:
     out["threads"] = {
         name: sorted({(r["torch_threads"], r["omp_num_threads"]) for r in samples[name]})
         for name in ("ours_mem", "plain_mem", "ours_1w", "ours_pq", "plain_pq")
+        if samples[name]
     }
     out["ingest_first_batch_s"] = {
         "ours": spread(field("ours_ingest", "first_batch_s")),
@@ -425,6 +441,8 @@ def markdown(result: dict, mode: str) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, label in labels.items():
+        if name not in f:
+            continue
         g = f[name]
         lines.append(
             f"| {label} | {_cell(g['ours'], g['unit'])} | {_cell(g['plain'], g['unit'])} | "
@@ -461,7 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="tiny data, 1 repeat (a couple of minutes; for CI)")
+    sizes_group = parser.add_mutually_exclusive_group()
+    sizes_group.add_argument("--quick", action="store_true", help="small data, 1 repeat (about 4 minutes)")
+    sizes_group.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the least data, 1 repeat, no Parquet training pair: checks that every part runs (the tests' mode)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the figures as one JSON object to FILE")
     parser.add_argument(
         "--md",
@@ -470,10 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, help="override the number of rounds")
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sizes = {"smoke": SMOKE, "quick": QUICK, "full": FULL}[mode]
     if args.repeats:
         sizes = Sizes(**{**sizes.__dict__, "repeats": args.repeats})
-    mode = "quick" if args.quick else "full"
     print(f"raytrain-ddp benchmark, {mode} mode: {sizes.repeats} round(s)", file=sys.stderr, flush=True)
     try:
         result = run_suite(sizes, log=lambda text: print(text, file=sys.stderr, flush=True))
@@ -483,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     result["mode"] = mode
     table = markdown(result, mode)
     print(table)
-    md = Path(args.md) if args.md else RESULTS / ("latest-quick.md" if args.quick else "latest.md")
+    md = Path(args.md) if args.md else RESULTS / ("latest.md" if mode == "full" else f"latest-{mode}.md")
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(table)
     if args.json:

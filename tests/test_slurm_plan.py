@@ -211,3 +211,16 @@ def test_precheck_packs_like_preflight_fractional_cpus_included():
     with pytest.raises(ConfigError, match="asked for 6 workers x 1 CPU \\+ 1 GPU"):  # no CPU left for loading
         check("--num-workers", "6", gpus=3)
     check("--num-workers", "6", gpus=3, known=False)  # GPUs per node not stated: the trainer checks
+
+
+@pytest.mark.parametrize(
+    "env, at",
+    [
+        ({"SLURM_JOB_END_TIME": "1800000000"}, 1800000000 - 300),
+        ({"SLURM_JOB_END_TIME": "0"}, None),  # no time limit
+        ({"SLURM_JOB_END_TIME": "soon"}, None),
+        ({}, None),
+    ],
+)
+def test_the_stop_before_the_time_limit(env, at):
+    assert plan.stop_before_end(env, margin_s=300) == at

@@ -132,6 +132,16 @@ def gpu_mismatch(node: str, visible: str | None, gpus: int) -> str | None:
     return None
 
 
+def stop_before_end(env: Mapping[str, str], margin_s: float) -> float | None:
+    """When the job asks its trainer to checkpoint and stop, as Slurm's USR1 would: margin_s before the time
+    limit, SLURM_JOB_END_TIME (Unix seconds). None for a job without one (unset, 0, or not a number)."""
+    try:
+        end = int(env.get("SLURM_JOB_END_TIME", "0"))
+    except ValueError:
+        return None
+    return end - margin_s if end > 0 else None
+
+
 def run_name(job_name: str | None, job_id: int) -> str:
     """Default run name JOBNAME-JOBID: a requeued job keeps its id, hence its run directory."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", job_name or "raytrain").lstrip("._-") or "raytrain"
