@@ -9,13 +9,17 @@ that has moved them still gets that far and shows the warning first.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import logging
 import os
 import re
+import secrets
+import shutil
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ from typing import Any
 import ray
 
 from raytrain_ddp.errors import ConfigError, one_line
-from raytrain_ddp.files import write_atomic
+from raytrain_ddp.files import create_private, write_atomic
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -36,6 +40,10 @@ STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"  # the driver feeds the T
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # where Ray's clients (the state API too) find the cluster
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # a local start's GCS port (ray._private.ray_constants)
+
+# Token authentication (ray._private.authentication): the mode, and the token or the file that holds it
+AUTH_MODE_ENV, AUTH_TOKEN_ENV, AUTH_TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+PRIVATE_BASE = Path.home() / ".raytrain"  # where the Slurm job keeps its token too (job-ID/auth_token)
 
 # Ray Train V2 keeps a run's checkpoint list here (ray.train.v2._internal.constants)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
@@ -109,6 +117,31 @@ def workers_know_their_cluster(address: str, init_options: dict):
                 os.environ[GCS_PORT_ENV] = previous
 
 
+def private_token_for_local_start() -> Path | None:
+    """Give the Ray this process is about to start a token of its own; return its file (None: left to Ray).
+
+    Ray 2.60 turns token auth on for a local ray.init and, finding no token, writes ~/.ray/auth_token
+    with the umask's mode (0644: any user of the machine can read it and so run code as this user in
+    every later Ray of theirs, since the file is kept for ever). Here the token is new for each process
+    that starts a Ray, and dies with it: RAY_AUTH_TOKEN_PATH (which Ray's processes and workers inherit)
+    names a file created exclusively, 0600, in a new 0700 directory, removed when the process exits.
+    A token the user chose ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH) or RAY_AUTH_MODE=disabled is kept.
+    """
+    if os.environ.get(AUTH_MODE_ENV, "token").lower() != "token":
+        return None
+    if os.environ.get(AUTH_TOKEN_ENV) or os.environ.get(AUTH_TOKEN_PATH_ENV):
+        return None
+    PRIVATE_BASE.mkdir(mode=0o700, exist_ok=True)  # an existing one is the user's to set: never chmodded
+    directory = Path(tempfile.mkdtemp(prefix="local-ray-", dir=PRIVATE_BASE))  # 0700, a name nobody had
+    atexit.register(shutil.rmtree, directory, True)  # after Ray's own exit handler has stopped its processes
+    token = create_private(directory / "auth_token", secrets.token_hex(32))
+    os.environ[AUTH_TOKEN_PATH_ENV] = str(token)
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # not in its stub
+
+    AuthenticationTokenLoader.instance().reset_cache()  # a token read before (another Ray of this process)
+    return token
+
+
 def kill_train_controller() -> None:
     """Kill this job's Ray Train controller, so that TorchTrainer.fit() raises.
 
@@ -150,6 +183,18 @@ def torch_trainer(may_retry: Callable[[BaseException], bool]) -> Any:
             pass
 
     return Trainer
+
+
+def wrapped_error(error: BaseException) -> BaseException | None:
+    """The error one of Ray's wrappers holds (a task's, with its ray:: traceback; the Train controller's),
+    or None for an error that is not a wrapper."""
+    from ray.train import ControllerError
+
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return error.cause
+    if isinstance(error, ControllerError):
+        return error.controller_failure
+    return None
 
 
 # ------------------------------------------------------------------ the checkpoint snapshot

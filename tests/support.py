@@ -39,3 +39,15 @@ def processes_with(needle: bytes) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def corrupt_row_group(path: Path, row_group: int) -> None:
+    """Overwrite the first page header of a row group's first column: the footer stays valid (the checks
+    before a run pass), reading that row group fails as a damaged disk or an interrupted copy makes it fail."""
+    import pyarrow.parquet as pq
+
+    column = pq.ParquetFile(path).metadata.row_group(row_group).column(0)
+    start = column.dictionary_page_offset or column.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start : start + 16] = b"\xff" * 16
+    path.write_bytes(bytes(data))

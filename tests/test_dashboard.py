@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -22,9 +23,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, processes_with
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API, login_hint
+from raytrain_ddp.files import create_private
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NAME = "dashboard-demo"
@@ -200,6 +202,43 @@ def test_login_hint_names_the_token_ray_uses(monkeypatch, tmp_path):
     assert login_hint() == " (log in with the token: the contents of /run/job/auth_token)"
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
     assert login_hint() == " (log in with the token: the value of $RAY_AUTH_TOKEN)"
+
+
+def test_a_private_file_is_created_exclusively_never_through_a_link(tmp_path):
+    """0600 whatever the umask; an existing file, or a link planted where it goes, is refused, not written
+    through."""
+    planted = tmp_path / "auth_token"
+    planted.symlink_to(tmp_path / "where-they-read")
+    with pytest.raises(FileExistsError):
+        create_private(planted, "secret")
+    assert not (tmp_path / "where-they-read").exists()
+    umask = os.umask(0)
+    try:
+        made = create_private(tmp_path / "token", "secret")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600 and made.read_text() == "secret"
+    with pytest.raises(FileExistsError):
+        create_private(made, "another")
+
+
+@pytest.mark.ray
+def test_a_local_ray_has_a_token_of_its_own(ray_address):
+    """The session's Ray, started as the command starts one: a new token file, 0600 in a 0700 directory of
+    its own (not ~/.ray/auth_token, 0644 and kept for ever), which its GCS and raylet were started with."""
+    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
+    assert token.parent.parent == Path.home() / ".raytrain", token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    started_with = f"RAY_AUTH_TOKEN_PATH={token}".encode()
+    for program in (b"gcs_server", b"raylet"):
+        assert any(started_with in _environment(pid) for pid in processes_with(program)), program
+
+
+def _environment(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or another user's
+        return b""
 
 
 def _browse(dashboard: str, token: str, page: str, expect: tuple[str, ...], profile: Path) -> tuple[str, bytes]:

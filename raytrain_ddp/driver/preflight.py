@@ -40,6 +40,8 @@ def init_ray(address: str, **options):
         except (OSError, ValueError) as err:
             why = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None
+    if address == "local":
+        _ray_compat.private_token_for_local_start()
     try:
         with _ray_compat.workers_know_their_cluster(address, options):
             return ray.init(address=address, **options)
