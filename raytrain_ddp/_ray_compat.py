@@ -44,6 +44,8 @@ GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # a local start's GCS port (ray._private.r
 # Token authentication (ray._private.authentication): the mode, and the token or the file that holds it
 AUTH_MODE_ENV, AUTH_TOKEN_ENV, AUTH_TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 PRIVATE_BASE = Path.home() / ".raytrain"  # where the Slurm job keeps its token too (job-ID/auth_token)
+# False (read at import, ray._private.ray_constants.ENABLE_RAY_CLUSTER): the node's address is 127.0.0.1
+NODE_IS_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 # Ray Train V2 keeps a run's checkpoint list here (ray.train.v2._internal.constants)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
@@ -115,6 +117,41 @@ def workers_know_their_cluster(address: str, init_options: dict):
                 os.environ.pop(GCS_PORT_ENV, None)
             else:
                 os.environ[GCS_PORT_ENV] = previous
+
+
+@contextlib.contextmanager
+def private_local_start():
+    """Around the ray.init that starts a local Ray: a token of its own, and every listener on loopback."""
+    private_token_for_local_start()
+    with loopback_only():
+        yield
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """Start Ray's processes with the node address 127.0.0.1, so that every one listens on loopback only.
+
+    Ray binds the wildcard address (0.0.0.0 and ::) unless the node's address is 127.0.0.1: the GCS, the
+    raylet and the object manager, each worker's gRPC server, the dashboard and runtime-env agents and the
+    metrics exporters all check for it. ray.init(_node_ip_address="127.0.0.1") cannot say so (Ray turns
+    a loopback address into the machine's own, services.resolve_ip_for_localhost); the node address is
+    127.0.0.1 where Ray considers clusters disabled, its default on macOS and Windows, which
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 selects on Linux too. Only while the node starts: this process
+    may join another cluster later, and there it needs its routable address.
+    """
+    from ray._private import ray_constants
+
+    previous_env, previous = os.environ.get(NODE_IS_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[NODE_IS_LOOPBACK_ENV] = "0"  # Ray's processes started now read it at their import
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this one read it at its import
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous
+        if previous_env is None:
+            os.environ.pop(NODE_IS_LOOPBACK_ENV, None)
+        else:
+            os.environ[NODE_IS_LOOPBACK_ENV] = previous_env
 
 
 def private_token_for_local_start() -> Path | None:

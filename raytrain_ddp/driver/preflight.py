@@ -8,6 +8,7 @@ is created.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -40,10 +41,9 @@ def init_ray(address: str, **options):
         except (OSError, ValueError) as err:
             why = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None
-    if address == "local":
-        _ray_compat.private_token_for_local_start()
+    private = _ray_compat.private_local_start() if address == "local" else contextlib.nullcontext()
     try:
-        with _ray_compat.workers_know_their_cluster(address, options):
+        with private, _ray_compat.workers_know_their_cluster(address, options):
             return ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
