@@ -242,6 +242,18 @@ def test_a_local_ray_is_private(ray_address):
     assert not open_to_all, open_to_all  # ...the workers' gRPC servers, the agents: loopback only
 
 
+def test_a_ray_on_loopback_only_is_told_from_one_on_every_interface():
+    """Joined at 127.0.0.1:PORT, a Ray that listens on loopback only is joined as it was started (Ray would
+    go to the machine's own address, where nothing listens); one on every interface, as `ray start` has it,
+    the usual way. Real listening sockets, no Ray."""
+    from raytrain_ddp.driver.preflight import _loopback_only
+
+    with socket.create_server(("127.0.0.1", 0)) as private, socket.create_server(("0.0.0.0", 0)) as everywhere:
+        assert _loopback_only("127.0.0.1", private.getsockname()[1])
+        assert _loopback_only("localhost", private.getsockname()[1])
+        assert not _loopback_only("127.0.0.1", everywhere.getsockname()[1])
+
+
 def _loopback(address: str) -> bool:
     parsed = ipaddress.ip_address(address)
     return (getattr(parsed, "ipv4_mapped", None) or parsed).is_loopback

@@ -9,6 +9,7 @@ is created.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import math
 import os
@@ -34,14 +35,18 @@ def init_ray(address: str, **options):
     An address nothing listens on makes Ray retry for minutes: a plain TCP
     connection answers in seconds first.
     """
-    if address not in ("auto", "local") and "://" not in address:
+    private: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if address == "local":
+        private = _ray_compat.private_local_start()
+    elif address != "auto" and "://" not in address:
         host, _, port = address.rpartition(":")
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
         except (OSError, ValueError) as err:
             why = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None
-    private = _ray_compat.private_local_start() if address == "local" else contextlib.nullcontext()
+        if _loopback_only(host.strip("[]"), int(port)):
+            private = _ray_compat.loopback_only()
     try:
         with private, _ray_compat.workers_know_their_cluster(address, options):
             return ray.init(address=address, **options)
@@ -49,6 +54,24 @@ def init_ray(address: str, **options):
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = {"local": "a new local instance", "auto": "this machine"}.get(address, address)
         raise ConfigError(f"cannot connect to the Ray cluster at {where}: {first_line}") from None
+
+
+def _loopback_only(host: str, port: int) -> bool:
+    """A Ray of this machine that listens on loopback only (one this command or a test session started).
+
+    Ray would connect to it at the machine's own address (it turns a loopback host into that one), where
+    nothing listens: joined with the loopback node address instead, as it was started.
+    """
+    try:
+        if not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
+        socket.create_connection((ray.util.get_node_ip_address(), port), timeout=5).close()
+    except OSError:
+        return True
+    return False
 
 
 def node_table() -> list[dict]:
