@@ -87,7 +87,7 @@ def describe_failure(error: BaseException) -> str:
 
 
 def _unwrapped(error: BaseException) -> BaseException:
-    """The error inside Ray's wrappers: a task's (ray::...) error, the Train controller's, a worker's traceback."""
+    """The error inside Ray's wrappers (a task's ray:: error, the Train controller's), however deep."""
     seen = set()
     while id(error) not in seen:
         seen.add(id(error))

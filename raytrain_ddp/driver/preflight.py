@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, first_line
 
 # Ray Data's decode/shuffle tasks need CPUs the training workers do not hold:
 # without one left over, ingest waits for ever and so does training.
@@ -51,9 +51,10 @@ def init_ray(address: str, **options):
         with private, _ray_compat.workers_know_their_cluster(address, options):
             return ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = {"local": "a new local instance", "auto": "this machine"}.get(address, address)
-        raise ConfigError(f"cannot connect to the Ray cluster at {where}: {first_line}") from None
+        raise ConfigError(
+            f"cannot connect to the Ray cluster at {where}: {first_line(err) or type(err).__name__}"
+        ) from None
 
 
 def _loopback_only(host: str, port: int) -> bool:
