@@ -154,6 +154,13 @@ def loopback_only():
             os.environ[NODE_IS_LOOPBACK_ENV] = previous_env
 
 
+def machine_address() -> str:
+    """This machine's own address, the one Ray puts in place of a loopback address it is given."""
+    from ray._common.network_utils import node_ip_address_from_perspective
+
+    return node_ip_address_from_perspective()
+
+
 def private_token_for_local_start() -> Path | None:
     """Give the Ray this process is about to start a token of its own; return its file (None: left to Ray).
 

@@ -69,7 +69,7 @@ def _loopback_only(host: str, port: int) -> bool:
     except (OSError, ValueError):
         return False
     try:
-        socket.create_connection((ray.util.get_node_ip_address(), port), timeout=5).close()
+        socket.create_connection((_ray_compat.machine_address(), port), timeout=5).close()
     except OSError:
         return True
     return False
