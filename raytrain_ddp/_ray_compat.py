@@ -9,13 +9,17 @@ that has moved them still gets that far and shows the warning first.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import logging
 import os
 import re
+import secrets
+import shutil
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ from typing import Any
 import ray
 
 from raytrain_ddp.errors import ConfigError, one_line
-from raytrain_ddp.files import write_atomic
+from raytrain_ddp.files import create_private, write_atomic
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -36,6 +40,12 @@ STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"  # the driver feeds the T
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # where Ray's clients (the state API too) find the cluster
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # a local start's GCS port (ray._private.ray_constants)
+
+# Token authentication (ray._private.authentication): the mode, and the token or the file that holds it
+AUTH_MODE_ENV, AUTH_TOKEN_ENV, AUTH_TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+PRIVATE_BASE = Path.home() / ".raytrain"  # where the Slurm job keeps its token too (job-ID/auth_token)
+# False (read at import, ray._private.ray_constants.ENABLE_RAY_CLUSTER): the node's address is 127.0.0.1
+NODE_IS_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 # Ray Train V2 keeps a run's checkpoint list here (ray.train.v2._internal.constants)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
@@ -109,6 +119,73 @@ def workers_know_their_cluster(address: str, init_options: dict):
                 os.environ[GCS_PORT_ENV] = previous
 
 
+@contextlib.contextmanager
+def private_local_start():
+    """Around the ray.init that starts a local Ray: a token of its own, and every listener on loopback."""
+    private_token_for_local_start()
+    with loopback_only():
+        yield
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """Start Ray's processes with the node address 127.0.0.1, so that every one listens on loopback only.
+
+    Ray binds the wildcard address (0.0.0.0 and ::) unless the node's address is 127.0.0.1: the GCS, the
+    raylet and the object manager, each worker's gRPC server, the dashboard and runtime-env agents and the
+    metrics exporters all check for it. ray.init(_node_ip_address="127.0.0.1") cannot say so (Ray turns
+    a loopback address into the machine's own, services.resolve_ip_for_localhost); the node address is
+    127.0.0.1 where Ray considers clusters disabled, its default on macOS and Windows, which
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 selects on Linux too. Only while the node starts: this process
+    may join another cluster later, and there it needs its routable address.
+    """
+    from ray._private import ray_constants
+
+    previous_env, previous = os.environ.get(NODE_IS_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[NODE_IS_LOOPBACK_ENV] = "0"  # Ray's processes started now read it at their import
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this one read it at its import
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous
+        if previous_env is None:
+            os.environ.pop(NODE_IS_LOOPBACK_ENV, None)
+        else:
+            os.environ[NODE_IS_LOOPBACK_ENV] = previous_env
+
+
+def machine_address() -> str:
+    """This machine's own address, the one Ray puts in place of a loopback address it is given."""
+    from ray._common.network_utils import node_ip_address_from_perspective
+
+    return node_ip_address_from_perspective()
+
+
+def private_token_for_local_start() -> Path | None:
+    """Give the Ray this process is about to start a token of its own; return its file (None: left to Ray).
+
+    Ray 2.60 turns token auth on for a local ray.init and, finding no token, writes ~/.ray/auth_token
+    with the umask's mode (0644: any user of the machine can read it and so run code as this user in
+    every later Ray of theirs, since the file is kept for ever). Here the token is new for each process
+    that starts a Ray, and dies with it: RAY_AUTH_TOKEN_PATH (which Ray's processes and workers inherit)
+    names a file created exclusively, 0600, in a new 0700 directory, removed when the process exits.
+    A token the user chose ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH) or RAY_AUTH_MODE=disabled is kept.
+    """
+    if os.environ.get(AUTH_MODE_ENV, "token").lower() != "token":
+        return None
+    if os.environ.get(AUTH_TOKEN_ENV) or os.environ.get(AUTH_TOKEN_PATH_ENV):
+        return None
+    PRIVATE_BASE.mkdir(mode=0o700, exist_ok=True)  # an existing one is the user's to set: never chmodded
+    directory = Path(tempfile.mkdtemp(prefix="local-ray-", dir=PRIVATE_BASE))  # 0700, a name nobody had
+    atexit.register(shutil.rmtree, directory, True)  # after Ray's own exit handler has stopped its processes
+    token = create_private(directory / "auth_token", secrets.token_hex(32))
+    os.environ[AUTH_TOKEN_PATH_ENV] = str(token)
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # not in its stub
+
+    AuthenticationTokenLoader.instance().reset_cache()  # a token read before (another Ray of this process)
+    return token
+
+
 def kill_train_controller() -> None:
     """Kill this job's Ray Train controller, so that TorchTrainer.fit() raises.
 
@@ -150,6 +227,18 @@ def torch_trainer(may_retry: Callable[[BaseException], bool]) -> Any:
             pass
 
     return Trainer
+
+
+def wrapped_error(error: BaseException) -> BaseException | None:
+    """The error one of Ray's wrappers holds (a task's, with its ray:: traceback; the Train controller's),
+    or None for an error that is not a wrapper."""
+    from ray.train import ControllerError
+
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return error.cause
+    if isinstance(error, ControllerError):
+        return error.controller_failure
+    return None
 
 
 # ------------------------------------------------------------------ the checkpoint snapshot

@@ -23,6 +23,36 @@ def one_line(exc: BaseException) -> str:
     return redact(" ".join(str(exc).split())) or type(exc).__name__
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first line (and the next, where the first only introduces it with a colon), control
+    characters escaped: what it says, without what others appended (Ray Data adds its retry advice below)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return redact("".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text))
+
+
+def headline(exc: BaseException) -> str:
+    """`Type: first line`, the one way a failure from inside a run (a worker, a data task) is shown."""
+    line = first_line(exc)
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+class DataReadError(Exception):
+    """Part of the data could not be read: `where` names it (a file's row group), `cause` is the reader's error.
+
+    `cause` is kept through pickling (unlike __cause__, which Ray drops between processes), so the driver
+    still sees the reader's error and its type. `corrupt`: the bytes themselves are bad (a read of them fails
+    the same way again), not the storage that serves them.
+    """
+
+    def __init__(self, where: str, cause: BaseException, corrupt: bool):
+        super().__init__(f"{where}: {headline(cause)}")
+        self.where, self.cause, self.corrupt = where, cause, corrupt
+
+    def __reduce__(self):
+        return type(self), (self.where, self.cause, self.corrupt)
+
+
 def bad_input(err: BaseException) -> int:
     """Print a bad-input error as the one line every CLI prints, `error: ...`; return the exit code for it."""
     print(f"error: {one_line(err)}", file=sys.stderr)

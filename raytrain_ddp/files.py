@@ -33,6 +33,23 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     return path
 
 
+def create_private(path: str | os.PathLike, data: str) -> Path:
+    """Create `path` readable and writable by its owner only (0600, whatever the umask), holding `data`.
+
+    Created exclusively and never through a symlink: an existing file or a link planted at `path` is an
+    error (FileExistsError), not something written through.
+    """
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only remove bits; this states the mode outright
+        os.write(fd, data.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
 def _fsync_directory(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

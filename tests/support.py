@@ -66,3 +66,50 @@ def train_api_run(dashboard: str, token: str, name: str) -> dict | None:
         return None
     assert status == 200, f"{TRAIN_RUNS_API} answered {status}: {body[:300]}"
     return next((run for run in json.loads(body)["train_runs"] if run["name"] == name), None)
+
+
+def corrupt_row_group(path: Path, row_group: int) -> None:
+    """Overwrite the first page header of a row group's first column: the footer stays valid (the checks
+    before a run pass), reading that row group fails as a damaged disk or an interrupted copy makes it fail."""
+    import pyarrow.parquet as pq
+
+    column = pq.ParquetFile(path).metadata.row_group(row_group).column(0)
+    start = column.dictionary_page_offset or column.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start : start + 16] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+
+
+def listening_addresses(root: int) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in process `root` or its descendants, read from
+    /proc/net/tcp and tcp6 as `ss -ltnp` reads them."""
+    import ipaddress
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else None
+        except OSError:
+            continue
+        if parent is not None:
+            children.setdefault(parent, []).append(int(entry.name))
+    owner, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue  # gone meanwhile
+        owner.update({link[len("socket:[") : -1]: pid for link in links if link.startswith("socket:[")})
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in owner:  # 0A: LISTEN
+                hex_address, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_address)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                address = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+                found.append((str(address), int(hex_port, 16), owner[fields[9]]))
+    return found

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import pickle
+import re
+import traceback
+
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray.exceptions
+from ray.train import WorkerGroupError
+from support import corrupt_row_group
 
-from raytrain_ddp.driver.failures import is_deterministic
+from raytrain_ddp.driver.failures import describe_failure, is_deterministic, may_retry
+from raytrain_ddp.errors import DataReadError
 
 
 @pytest.mark.parametrize(
@@ -44,6 +53,51 @@ def test_a_wrapped_cause_counts():
         assert is_deterministic(outer)
 
 
+def test_a_corrupt_row_group_names_the_file_and_the_row_group(tmp_path):
+    """Read as a Ray Data task reads it: the error says which row group of which file, the reader's error type
+    and first line; it survives pickling (Ray's way between processes) and is not retried."""
+    from raytrain_ddp.data.pipeline import DataSpec, SplitSource, _read_piece
+
+    path = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"x": np.arange(300.0), "y": np.arange(300) % 3}), path, row_group_size=100)
+    corrupt_row_group(path, 1)
+    source = SplitSource(
+        DataSpec("tabular", (1,), 3, 300, 0), (100, 100, 100), ((str(path), 0), (str(path), 1)), ("x", "y")
+    )
+    assert len(_read_piece(source, 0, 0, 100)["y"]) == 100  # the row group before it reads
+    with pytest.raises(DataReadError) as raised:
+        _read_piece(source, 1, 0, 100)
+    error = pickle.loads(pickle.dumps(raised.value))
+    assert str(error).startswith(f"row group 1 of {path}: OSError: Couldn't deserialize thrift"), str(error)
+    assert "\n" not in str(error) and "\x0f" not in str(error)  # its first line, control characters escaped
+    assert isinstance(error.cause, OSError) and is_deterministic(error)
+    # as a rank's failure reaches the driver: inside Ray's task error, whose text ends with Ray Data's advice
+    advice = "To change retry attempts, backoff, or which errors are retried, configure ..."
+    task_error = ray.exceptions.RayTaskError(
+        "MapBatches(_task_inputs)",
+        "".join(traceback.format_exception(raised.value)) + advice,
+        error,
+        pid=1,
+        ip="127.0.0.1",
+    ).as_instanceof_cause()
+    failed = WorkerGroupError(f"[Rank 0 Error Snippet]:\n{task_error}", {0: task_error})
+    assert describe_failure(failed) == f"rank 0: DataReadError: {error}" and not may_retry(failed)
+
+
+def test_a_worker_error_is_its_type_and_first_line():
+    """Per rank, the type and first line of what the worker raised, not the last line of Ray's traceback."""
+    try:
+        raise ValueError("Error(s) in loading state_dict for Net:\n\tsize mismatch for fc.weight\n\tand more")
+    except ValueError as err:
+        mismatch = err
+    advised = OSError("disk gone\nTo change retry attempts, backoff, ... if you believe this to be transient.")
+    failed = WorkerGroupError("traceback text", {1: advised, 0: mismatch})
+    assert describe_failure(failed) == (
+        "rank 0: ValueError: Error(s) in loading state_dict for Net: size mismatch for fc.weight; "
+        "rank 1: OSError: disk gone"
+    )
+
+
 @pytest.mark.ray
 def test_nonfinite_loss_fails_once_despite_max_failures(ray_address, tmp_path):
     from raytrain_ddp import TrainConfig, fit
@@ -67,3 +121,5 @@ def test_nonfinite_loss_fails_once_despite_max_failures(ray_address, tmp_path):
     assert result.summary["status"] == "failed" and result.summary["restarts"] == 0, result.summary
     # the error says where: the epoch and the optimizer step of the check that saw it
     assert "training loss is" in result.summary["error"] and "at epoch 1, by step" in result.summary["error"]
+    # as the worker raised it: its type, then its message
+    assert re.match(r"rank \d: FloatingPointError: training loss is ", result.summary["error"]), result.summary["error"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,7 +67,10 @@ def test_cli_defaults():
 def default_run(tmp_path_factory):
     """`python -m raytrain_ddp.run` with the built-in defaults but the sizes: its own local Ray, dashboard on."""
     storage = tmp_path_factory.mktemp("runs")
-    result = run_cli("raytrain_ddp.run", "--storage-path", str(storage), *DEFAULT_RUN_ARGS, timeout=600)
+    # not the session Ray's token (this process's environment holds it): the one the command makes for its own
+    result = run_cli(
+        "raytrain_ddp.run", "--storage-path", str(storage), *DEFAULT_RUN_ARGS, env={"RAY_AUTH_TOKEN_PATH": ""}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = storage / "default"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -76,6 +81,10 @@ def default_run(tmp_path_factory):
 def test_console_says_dashboard_global_batch_and_table(default_run):
     result, *_ = default_run
     assert "Ray dashboard: http://" in result.stderr
+    # a private Ray: its token new, in a directory of its own that went with it; its node (and listeners) loopback
+    token = Path(re.search(r"log in with the token: the contents of (\S+)\)", result.stderr).group(1))
+    assert token.parent.parent == Path.home() / ".raytrain" and not token.parent.exists(), token
+    assert "Ray cluster: 1 node(s): 127.0.0.1:" in result.stderr, result.stderr[:2000]
     assert "Global batch = 64 per worker x 2 workers = 128" in result.stderr
     assert "train loss (min..max over ranks)" in result.stderr
     assert "WARNING" not in result.stderr and "INFO" not in result.stderr  # none of Ray's own lines

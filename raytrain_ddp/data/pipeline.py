@@ -65,6 +65,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 import ray.data
@@ -76,7 +78,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data import paths, synthetic
 from raytrain_ddp.data.format import decode_images
 from raytrain_ddp.data.validate import check_dataset
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, DataReadError
 from raytrain_ddp.plugins import call_plugin
 
 log = logging.getLogger("raytrain_ddp")
@@ -365,8 +367,15 @@ def _read_piece(source: SplitSource, unit: int, start: int, stop: int) -> dict[s
         return {name: values[start:stop] for name, values in chunk.items()}
     uri, row_group = source.row_groups[unit]
     location = paths.resolve(uri)
-    with location.filesystem.open_input_file(location.path) as file:
-        table = pq.ParquetFile(file).read_row_group(row_group, columns=list(source.columns))
+    try:
+        with location.filesystem.open_input_file(location.path) as file:
+            table = pq.ParquetFile(file).read_row_group(row_group, columns=list(source.columns))
+    except (pa.ArrowException, OSError) as exc:  # checked before the run: the file changed, or a page is corrupt
+        # Arrow's decoder raises an OSError without errno for bytes it cannot decode; a remote store's may pass
+        corrupt = isinstance(exc, pa.ArrowException) or (
+            exc.errno is None and isinstance(location.filesystem, pafs.LocalFileSystem)
+        )
+        raise DataReadError(f"row group {row_group} of {uri}", exc, corrupt) from exc
     table = table.slice(start, stop - start)
     return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 

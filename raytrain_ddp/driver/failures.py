@@ -16,6 +16,7 @@ import ray.exceptions
 from ray.train import WorkerGroupError
 
 from raytrain_ddp import _ray_compat
+from raytrain_ddp.errors import DataReadError, headline
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
 DETERMINISTIC_TYPES = (
@@ -60,7 +61,9 @@ def is_deterministic(error: BaseException) -> bool:
     if any(isinstance(c, PROCESS_LOST_TYPES) for c in causes):
         return False
     return any(
-        isinstance(c, DETERMINISTIC_TYPES) or (isinstance(c, RuntimeError) and SHAPE_MISMATCH.search(str(c)))
+        isinstance(c, DETERMINISTIC_TYPES)
+        or (isinstance(c, RuntimeError) and SHAPE_MISMATCH.search(str(c)))
+        or (isinstance(c, DataReadError) and c.corrupt)
         for c in causes
     )
 
@@ -72,6 +75,27 @@ def may_retry(error: BaseException) -> bool:
         lost = any(isinstance(c, PROCESS_LOST_TYPES) for f in failures for c in _causes(f))
         return lost or not any(is_deterministic(f) for f in failures)
     return True
+
+
+def describe_failure(error: BaseException) -> str:
+    """The console's and summary's line for a failed run: per failed rank, the error its code raised (a data
+    error says which file and row group), as `Type: first line`, not the last line of Ray's traceback."""
+    failures = error.worker_failures if isinstance(error, WorkerGroupError) else {}
+    if failures:
+        return "; ".join(f"rank {rank}: {headline(_unwrapped(exc))}" for rank, exc in sorted(failures.items()))
+    return headline(_unwrapped(error))
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """The error inside Ray's wrappers (a task's ray:: error, the Train controller's), however deep."""
+    seen = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        inner = _ray_compat.wrapped_error(error)
+        if inner is None:
+            break
+        error = inner
+    return error
 
 
 # TorchTrainer with that rule in its failure policy (and Ctrl-C left to fit())

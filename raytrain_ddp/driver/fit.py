@@ -27,7 +27,7 @@ from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock
-from raytrain_ddp.driver.failures import Trainer
+from raytrain_ddp.driver.failures import Trainer, describe_failure
 from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
@@ -366,12 +366,12 @@ def _train(
         with interrupts_deferred():
             _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
-        error = _describe_failure(err)
+        error = describe_failure(err)
     except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
         error = recorder.abort_reason or f"the Ray Train controller died: {one_line(err)}"
     except Exception as err:  # the controller itself failed: the run still ends with a summary
         progress_log.info("Ray Train failed", exc_info=True)  # the traceback in driver.log; the console: one line
-        error = f"{type(err).__name__}: {_last_line(str(err))}"
+        error = describe_failure(err)
     finally:
         with interrupts_deferred():
             stop_signal.training_over = True
@@ -439,19 +439,6 @@ def _link_ray_logs(run_dir: Path) -> None:
         link.unlink()  # a resumed run (a requeued job, a new Ray): point at this session's logs
     if session_dir and not link.exists():
         link.symlink_to(Path(session_dir) / "logs")
-
-
-def _describe_failure(err: Exception) -> str:
-    """One line per failed rank: its exception's last line, not Ray's whole traceback."""
-    failures = getattr(err, "worker_failures", None) or {}
-    if not failures:
-        return _last_line(str(err))
-    return "; ".join(f"rank {rank}: {_last_line(str(exc))}" for rank, exc in sorted(failures.items()))
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "unknown error"
 
 
 def _summary(

@@ -8,6 +8,8 @@ is created.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import math
 import os
@@ -18,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, first_line
 
 # Ray Data's decode/shuffle tasks need CPUs the training workers do not hold:
 # without one left over, ingest waits for ever and so does training.
@@ -33,20 +35,44 @@ def init_ray(address: str, **options):
     An address nothing listens on makes Ray retry for minutes: a plain TCP
     connection answers in seconds first.
     """
-    if address not in ("auto", "local") and "://" not in address:
+    private: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if address == "local":
+        private = _ray_compat.private_local_start()
+    elif address != "auto" and "://" not in address:
         host, _, port = address.rpartition(":")
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
         except (OSError, ValueError) as err:
             why = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None
+        if _loopback_only(host.strip("[]"), int(port)):
+            private = _ray_compat.loopback_only()
     try:
-        with _ray_compat.workers_know_their_cluster(address, options):
+        with private, _ray_compat.workers_know_their_cluster(address, options):
             return ray.init(address=address, **options)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = {"local": "a new local instance", "auto": "this machine"}.get(address, address)
-        raise ConfigError(f"cannot connect to the Ray cluster at {where}: {first_line}") from None
+        raise ConfigError(
+            f"cannot connect to the Ray cluster at {where}: {first_line(err) or type(err).__name__}"
+        ) from None
+
+
+def _loopback_only(host: str, port: int) -> bool:
+    """A Ray of this machine that listens on loopback only (one this command or a test session started).
+
+    Ray would connect to it at the machine's own address (it turns a loopback host into that one), where
+    nothing listens: joined with the loopback node address instead, as it was started.
+    """
+    try:
+        if not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
+        socket.create_connection((_ray_compat.machine_address(), port), timeout=5).close()
+    except OSError:
+        return True
+    return False
 
 
 def node_table() -> list[dict]:
