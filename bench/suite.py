@@ -92,7 +92,7 @@ SMOKE = Sizes(  # every part runs once, on the least data that still has a windo
     batch_size=16,
     repeats=1,
     ingest_rows=4096,
-    ingest_epochs=3,
+    ingest_epochs=5,
     loader_cpus=2,
     parquet_pair=False,
 )
