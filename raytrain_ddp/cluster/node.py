@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from raytrain_ddp.cluster.paths import UnsafePath, private_dir, remove_own_dir
 from raytrain_ddp.cluster.plan import JobPlan, gpu_mismatch, node_gpus
 
 log = logging.getLogger("raytrain_ddp.cluster")
@@ -101,7 +101,7 @@ def _signal(pids: list[int], sig: int) -> None:
 
 
 def sweep(prefix: str, *dirs: str) -> None:
-    """Stop the processes tagged `prefix` (TERM, 10 s grace, KILL); remove `dirs`."""
+    """Stop the processes tagged `prefix` (TERM, 10 s grace, KILL); remove `dirs` that are ours."""
     pids = tagged_pids(prefix)
     if pids:
         _signal(pids, signal.SIGTERM)
@@ -116,7 +116,7 @@ def sweep(prefix: str, *dirs: str) -> None:
             )
             _signal(pids, signal.SIGKILL)
     for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        remove_own_dir(d)
 
 
 def sweep_main(argv: list[str]) -> int:
@@ -256,8 +256,10 @@ def node_main(argv: list[str]) -> int:
 
 
 def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: str) -> int:
-    shutil.rmtree(tmp, ignore_errors=True)  # stale, e.g. after a requeue
-    os.makedirs(tmp, mode=0o700)
+    try:
+        private_dir(tmp)  # a stale one of ours (a requeue) is replaced; anyone else's is refused
+    except UnsafePath as err:
+        raise LaunchError(f"{host}: {err}; set RAYTRAIN_TMPDIR to a directory of yours", 1) from None
     token = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
     if not os.access(token, os.R_OK):
         raise LaunchError(
@@ -289,11 +291,16 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         ip,
         cpus,
         gpus,
-        tmp,
+        plan.ray_tmp(index),
         env.get("NCCL_SOCKET_IFNAME", "unset"),
     )
     ray = subprocess.Popen(
-        [plan.python, "-m", "ray.scripts.scripts", *ray_start_args(plan, role, ip, tmp, gpus, cpus, agent_port)],
+        [
+            plan.python,
+            "-m",
+            "ray.scripts.scripts",
+            *ray_start_args(plan, role, ip, plan.ray_tmp(index), gpus, cpus, agent_port),
+        ],
         env=env,
     )
     stop_file = Path(plan.job_dir, "stop")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from raytrain_ddp.cluster import plan as planning
 from raytrain_ddp.cluster.node import LaunchError, Stop, log, node_ip, port_busy, setup_logging, sweep, tagged_pids
+from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
 from raytrain_ddp.errors import ConfigError
 
@@ -44,6 +44,15 @@ def head_address(env: Mapping[str, str], nodes: list[str]) -> str:
         if peer and not peer.startswith("127."):
             return node_ip(peer)
     return node_ip(None)
+
+
+def prepare_job_dir(job_dir: str, token_path: str, plan_json: str) -> None:
+    """The job's private dir (0700), with a fresh token (0600) and the plan. Raises UnsafePath.
+
+    Its base is created if missing but never chmodded: RAYTRAIN_JOB_DIR_BASE may be a group's directory."""
+    private_dir(job_dir)  # a stale one of ours (an earlier run of this job id) is replaced
+    create_secret(token_path, secrets.token_hex(32))
+    Path(job_dir, "plan.json").write_text(plan_json)
 
 
 def free_port_block(job_id: int, head: str) -> planning.Ports:
@@ -224,21 +233,10 @@ class Launcher:
 
     def bring_up_and_train(self, chosen: dict) -> int:
         plan = self.plan
-        old_umask = os.umask(0o077)  # token and job dir are private to the user
         try:
-            job_dir = Path(plan.job_dir)
-            shutil.rmtree(job_dir, ignore_errors=True)  # stale, from an earlier run of this job id
-            job_dir.mkdir(parents=True)
-            try:
-                os.chmod(job_dir.parent, 0o700)
-            except OSError:
-                pass  # not ours: the job dir itself is private
-            token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
-            token.write_text(secrets.token_hex(32))
-            token.chmod(0o600)
-            (job_dir / "plan.json").write_text(plan.to_json())
-        finally:
-            os.umask(old_umask)
+            prepare_job_dir(plan.job_dir, os.environ["RAY_AUTH_TOKEN_PATH"], plan.to_json())
+        except UnsafePath as err:
+            raise LaunchError(f"{err} (set RAYTRAIN_JOB_DIR_BASE to a directory of yours)", EXIT_BRINGUP) from None
 
         log.info("starting Ray head on %s", plan.head)
         self.start_node(0)
