@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from raytrain_ddp.cluster import plan
+from raytrain_ddp.cluster.node import catches
 from raytrain_ddp.cluster.plan import Ports
 from raytrain_ddp.errors import ConfigError
 
@@ -211,3 +216,16 @@ def test_precheck_packs_like_preflight_fractional_cpus_included():
     with pytest.raises(ConfigError, match="asked for 6 workers x 1 CPU \\+ 1 GPU"):  # no CPU left for loading
         check("--num-workers", "6", gpus=3)
     check("--num-workers", "6", gpus=3, known=False)  # GPUs per node not stated: the trainer checks
+
+
+def test_catches_reads_a_real_processes_signal_handlers():
+    """A stop signal goes to the trainer only once its handler is in (before, USR1 would kill it)."""
+    code = "import signal, sys, time; signal.signal(signal.SIGUSR1, print); print('ready', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert catches(child.pid, signal.SIGUSR1) and not catches(child.pid, signal.SIGUSR2)
+    finally:
+        child.kill()
+        child.wait()
+    assert not catches(child.pid, signal.SIGUSR1)  # gone

@@ -72,6 +72,16 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
 def tagged_pids(prefix: str) -> list[int]:
     """Live processes with RAYTRAIN_RAY_TAG=<prefix...> in their environment.
 
@@ -235,16 +245,22 @@ def node_main(argv: list[str]) -> int:
     role = "head" if index == 0 else "worker"
     tag, tmp = plan.tag(index), plan.node_tmp(index)
 
-    def stop(code: int):
-        def handler(signum, frame):
-            raise Stop(code)
+    terms: list[float] = []
 
-        return handler
+    def on_term(signum, frame):
+        # Slurm's TERM reaches every step: Ray stays up (while it lives) for the trainer's checkpoint, until
+        # the batch's stop file or the grace; a second TERM stops it at once.
+        if terms:
+            raise Stop(143)
+        terms.append(time.monotonic())
 
-    signal.signal(signal.SIGTERM, stop(143))
-    signal.signal(signal.SIGINT, stop(130))
+    def on_int(signum, frame):
+        raise Stop(130)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_int)
     try:
-        return _run_node(plan, index, role, host, tag, tmp)
+        return _run_node(plan, index, role, host, tag, tmp, terms)
     except LaunchError as err:
         log.error("%s", err)
         Path(job_dir, f"node.{index}.error").write_text(f"{err}\n")
@@ -255,7 +271,7 @@ def node_main(argv: list[str]) -> int:
         sweep(tag, tmp)
 
 
-def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: str) -> int:
+def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: str, terms: list[float]) -> int:
     try:
         private_dir(tmp)  # a stale one of ours (a requeue) is replaced; anyone else's is refused
     except UnsafePath as err:
@@ -304,8 +320,9 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         env=env,
     )
     stop_file = Path(plan.job_dir, "stop")
+    grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "20")) + 10  # the batch's grace, then its cleanup
     while ray.poll() is None:
-        if stop_file.exists():
+        if stop_file.exists() or (terms and time.monotonic() > terms[0] + grace):
             log.info("stopping Ray (%s)", role)
             sweep(tag, tmp)
             ray.wait()
