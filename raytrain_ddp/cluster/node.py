@@ -261,8 +261,8 @@ def node_main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, on_int)
     try:
         return _run_node(plan, index, role, host, tag, tmp, terms)
-    except LaunchError as err:
-        log.error("%s", err)
+    except LaunchError as err:  # the batch's ERROR line says it (all of these come before `ray start`)
+        log.info("not starting Ray: %s", err)
         Path(job_dir, f"node.{index}.error").write_text(f"{err}\n")
         return err.code
     except Stop as stopped:
@@ -275,7 +275,7 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
     try:
         private_dir(tmp)  # a stale one of ours (a requeue) is replaced; anyone else's is refused
     except UnsafePath as err:
-        raise LaunchError(f"{host}: {err}; set RAYTRAIN_TMPDIR to a directory of yours", 1) from None
+        raise LaunchError(f"{host}: {err}; remove it or set RAYTRAIN_TMPDIR to a directory of yours", 1) from None
     token = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
     if not os.access(token, os.R_OK):
         raise LaunchError(

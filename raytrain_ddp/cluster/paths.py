@@ -28,11 +28,11 @@ def unsafe(path: str, uid: int | None = None) -> str | None:
     except FileNotFoundError:
         return None
     if stat.S_ISLNK(st.st_mode):
-        return f"{path} is a symlink (to {os.readlink(path)}); refusing to follow it: remove it or set another base"
+        return f"{path} is a symlink (to {os.readlink(path)}); refusing to follow it"
     if not stat.S_ISDIR(st.st_mode):
-        return f"{path} exists and is not a directory; remove it or set another base"
+        return f"{path} exists and is not a directory"
     if st.st_uid != uid:
-        return f"{path} exists and belongs to uid {st.st_uid}, not to this job's user (uid {uid}); refusing to use it"
+        return f"{path} exists and belongs to uid {st.st_uid}, not to this job's user (uid {uid})"
     return None
 
 

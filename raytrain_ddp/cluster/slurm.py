@@ -279,7 +279,9 @@ class Launcher:
         try:
             prepare_job_dir(plan.job_dir, os.environ["RAY_AUTH_TOKEN_PATH"], plan.to_json())
         except UnsafePath as err:
-            raise LaunchError(f"{err} (set RAYTRAIN_JOB_DIR_BASE to a directory of yours)", EXIT_BRINGUP) from None
+            raise LaunchError(
+                f"{err}; remove it or set RAYTRAIN_JOB_DIR_BASE to a directory of yours", EXIT_BRINGUP
+            ) from None
 
         log.info("starting Ray head on %s", plan.head)
         self.start_node(0)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes
+from slurm_testbed import HEAD_NETNS, NODES, REPO, SCRIPT, Job, Testbed, job_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -107,6 +107,40 @@ def test_infeasible_worker_count_fails_fast(testbed: Testbed) -> None:
     assert job.elapsed < 30, show(job)
     line = next((l for l in job.log.splitlines() if "ERROR" in l), "")
     assert "8" in line and "2" in line, f"error should say what was asked (8) and what exists (2 nodes):\n{show(job)}"
+    assert_no_leftovers(job)
+
+
+def test_a_temp_dir_planted_by_someone_else_is_refused_in_one_line(testbed: Testbed) -> None:
+    """The worker node's /tmp/rtJOBID.1, planted before the job as a symlink to a directory Ray would make
+    0777: refused in one ERROR line naming it, exit 3, the target untouched, nothing of the job left."""
+    wd = testbed.workdir("planted")
+    sub = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES, str(SCRIPT), *SMALL_RUN],
+        cwd=wd,
+        env=testbed.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    job_id = int(sub.stdout.strip().split(";")[0])
+    target, planted = wd / "target", Path(f"/tmp/rt{job_id}.1")
+    target.mkdir(mode=0o755)
+    planted.symlink_to(target)
+    try:
+        t0 = time.monotonic()
+        subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
+        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() - t0 < 300, "job did not finish"
+            time.sleep(1)
+        job = Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
+        errors = [line for line in job.log.splitlines() if "ERROR" in line]
+        assert len(errors) == 1, show(job)
+        assert f"rtnode2: {planted} is a symlink (to {target}); refusing to follow it" in errors[0], show(job)
+        assert "exit code 3" in job.log, show(job)
+        assert planted.is_symlink() and target.stat().st_mode & 0o777 == 0o755 and not list(target.iterdir())
+    finally:
+        planted.unlink(missing_ok=True)
     assert_no_leftovers(job)
 
 
