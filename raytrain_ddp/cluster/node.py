@@ -320,7 +320,7 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         env=env,
     )
     stop_file = Path(plan.job_dir, "stop")
-    grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "20")) + 10  # the batch's grace, then its cleanup
+    grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "60")) + 10  # the batch's grace, then its cleanup
     while ray.poll() is None:
         if stop_file.exists() or (terms and time.monotonic() > terms[0] + grace):
             log.info("stopping Ray (%s)", role)

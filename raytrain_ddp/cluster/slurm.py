@@ -114,7 +114,10 @@ class Launcher:
     def deliver(self) -> None:
         # Before the trainer's Python has its handler, USR1 or TERM would kill it without a checkpoint.
         while self.pending and self.trainer and catches(self.trainer.pid, self.pending[0]):
-            self.trainer.send_signal(self.pending.pop(0))
+            signum = self.pending.pop(0)
+            self.trainer.send_signal(signum)
+            if signum == signal.SIGTERM:
+                self.term_at = time.monotonic()  # the grace counts from when the trainer heard it
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGUSR1, self.on_usr1)
@@ -131,7 +134,7 @@ class Launcher:
 
     def wait_for_trainer(self) -> int:
         """The trainer's exit code; after a TERM it gets RAYTRAIN_STOP_GRACE_S to checkpoint and exit."""
-        grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "20"))
+        grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "60"))
         started = time.monotonic()
         while (rc := self.trainer.poll()) is None:
             self.deliver()
