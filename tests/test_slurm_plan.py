@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from raytrain_ddp.cluster import plan
+from raytrain_ddp.cluster.node import catches
 from raytrain_ddp.cluster.plan import Ports
 from raytrain_ddp.errors import ConfigError
 
@@ -224,3 +229,16 @@ def test_precheck_packs_like_preflight_fractional_cpus_included():
 )
 def test_the_stop_before_the_time_limit(env, at):
     assert plan.stop_before_end(env, margin_s=300) == at
+
+
+def test_catches_reads_a_real_processes_signal_handlers():
+    """A stop signal goes to the trainer only once its handler is in (before, USR1 would kill it)."""
+    code = "import signal, sys, time; signal.signal(signal.SIGUSR1, print); print('ready', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert catches(child.pid, signal.SIGUSR1) and not catches(child.pid, signal.SIGUSR2)
+    finally:
+        child.kill()
+        child.wait()
+    assert not catches(child.pid, signal.SIGUSR1)  # gone

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from raytrain_ddp.cluster.paths import UnsafePath, private_dir, remove_own_dir
 from raytrain_ddp.cluster.plan import JobPlan, gpu_mismatch, node_gpus
 
 log = logging.getLogger("raytrain_ddp.cluster")
@@ -72,6 +72,16 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
 def tagged_pids(prefix: str) -> list[int]:
     """Live processes with RAYTRAIN_RAY_TAG=<prefix...> in their environment.
 
@@ -101,7 +111,7 @@ def _signal(pids: list[int], sig: int) -> None:
 
 
 def sweep(prefix: str, *dirs: str) -> None:
-    """Stop the processes tagged `prefix` (TERM, 10 s grace, KILL); remove `dirs`."""
+    """Stop the processes tagged `prefix` (TERM, 10 s grace, KILL); remove `dirs` that are ours."""
     pids = tagged_pids(prefix)
     if pids:
         _signal(pids, signal.SIGTERM)
@@ -116,7 +126,7 @@ def sweep(prefix: str, *dirs: str) -> None:
             )
             _signal(pids, signal.SIGKILL)
     for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+        remove_own_dir(d)
 
 
 def sweep_main(argv: list[str]) -> int:
@@ -235,18 +245,24 @@ def node_main(argv: list[str]) -> int:
     role = "head" if index == 0 else "worker"
     tag, tmp = plan.tag(index), plan.node_tmp(index)
 
-    def stop(code: int):
-        def handler(signum, frame):
-            raise Stop(code)
+    terms: list[float] = []
 
-        return handler
+    def on_term(signum, frame):
+        # Slurm's TERM reaches every step: Ray stays up (while it lives) for the trainer's checkpoint, until
+        # the batch's stop file or the grace; a second TERM stops it at once.
+        if terms:
+            raise Stop(143)
+        terms.append(time.monotonic())
 
-    signal.signal(signal.SIGTERM, stop(143))
-    signal.signal(signal.SIGINT, stop(130))
+    def on_int(signum, frame):
+        raise Stop(130)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_int)
     try:
-        return _run_node(plan, index, role, host, tag, tmp)
-    except LaunchError as err:
-        log.error("%s", err)
+        return _run_node(plan, index, role, host, tag, tmp, terms)
+    except LaunchError as err:  # the batch's ERROR line says it (all of these come before `ray start`)
+        log.info("not starting Ray: %s", err)
         Path(job_dir, f"node.{index}.error").write_text(f"{err}\n")
         return err.code
     except Stop as stopped:
@@ -255,9 +271,11 @@ def node_main(argv: list[str]) -> int:
         sweep(tag, tmp)
 
 
-def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: str) -> int:
-    shutil.rmtree(tmp, ignore_errors=True)  # stale, e.g. after a requeue
-    os.makedirs(tmp, mode=0o700)
+def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: str, terms: list[float]) -> int:
+    try:
+        private_dir(tmp)  # a stale one of ours (a requeue) is replaced; anyone else's is refused
+    except UnsafePath as err:
+        raise LaunchError(f"{host}: {err}; remove it or set RAYTRAIN_TMPDIR to a directory of yours", 1) from None
     token = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
     if not os.access(token, os.R_OK):
         raise LaunchError(
@@ -289,16 +307,22 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         ip,
         cpus,
         gpus,
-        tmp,
+        plan.ray_tmp(index),
         env.get("NCCL_SOCKET_IFNAME", "unset"),
     )
     ray = subprocess.Popen(
-        [plan.python, "-m", "ray.scripts.scripts", *ray_start_args(plan, role, ip, tmp, gpus, cpus, agent_port)],
+        [
+            plan.python,
+            "-m",
+            "ray.scripts.scripts",
+            *ray_start_args(plan, role, ip, plan.ray_tmp(index), gpus, cpus, agent_port),
+        ],
         env=env,
     )
     stop_file = Path(plan.job_dir, "stop")
+    grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "60")) + 10  # the batch's grace, then its cleanup
     while ray.poll() is None:
-        if stop_file.exists():
+        if stop_file.exists() or (terms and time.monotonic() > terms[0] + grace):
             log.info("stopping Ray (%s)", role)
             sweep(tag, tmp)
             ray.wait()

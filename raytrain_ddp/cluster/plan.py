@@ -297,7 +297,11 @@ class JobPlan:
         return f"rt-{self.job_id}-{index}"
 
     def node_tmp(self, index: int) -> str:
+        """Node `index`'s private (0700) dir: Ray's temp dir, which Ray makes 0777, lives inside it."""
         return f"{self.tmp_base}/rt{self.job_id}.{index}"  # short: Ray's socket paths must fit in 107 bytes
+
+    def ray_tmp(self, index: int) -> str:
+        return f"{self.node_tmp(index)}/r"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

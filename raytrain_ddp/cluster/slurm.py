@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +24,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from raytrain_ddp.cluster import plan as planning
-from raytrain_ddp.cluster.node import LaunchError, Stop, log, node_ip, port_busy, setup_logging, sweep, tagged_pids
+from raytrain_ddp.cluster.node import (
+    LaunchError,
+    Stop,
+    catches,
+    log,
+    node_ip,
+    port_busy,
+    setup_logging,
+    sweep,
+    tagged_pids,
+)
+from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
 from raytrain_ddp.errors import ConfigError
 
@@ -46,6 +56,15 @@ def head_address(env: Mapping[str, str], nodes: list[str]) -> str:
     return node_ip(None)
 
 
+def prepare_job_dir(job_dir: str, token_path: str, plan_json: str) -> None:
+    """The job's private dir (0700), with a fresh token (0600) and the plan. Raises UnsafePath.
+
+    Its base is created if missing but never chmodded: RAYTRAIN_JOB_DIR_BASE may be a group's directory."""
+    private_dir(job_dir)  # a stale one of ours (an earlier run of this job id) is replaced
+    create_secret(token_path, secrets.token_hex(32))
+    Path(job_dir, "plan.json").write_text(plan_json)
+
+
 def free_port_block(job_id: int, head: str) -> planning.Ports:
     for ports in planning.port_blocks(job_id):
         busy = [p for p in ports.all() if port_busy(p)]
@@ -61,7 +80,9 @@ class Launcher:
         self.steps: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []  # copy each step's output into the job log
         self.trainer: subprocess.Popen | None = None
-        self.got_usr1 = False
+        self.got_usr1 = self.got_term = False
+        self.term_at = 0.0
+        self.pending: list[int] = []  # stop signals the trainer has not been sent yet
         self.requeue = False
         self.plan: JobPlan | None = None
         self.name = ""
@@ -70,15 +91,37 @@ class Launcher:
     def on_usr1(self, signum, frame) -> None:
         """The pre-timeout warning (--signal=B:USR1@300): the trainer checkpoints at its next step and exits 75."""
         self.got_usr1 = True
+        self.keep(signal.SIGUSR1, "USR1 (time limit near)")
+
+    def on_term(self, signum, frame) -> None:
+        """scancel, preemption or the time limit: like USR1 (no requeue: that is Slurm's to decide);
+        a second TERM ends the job at once."""
+        if self.got_term:
+            log.info("got TERM again: shutting down")
+            raise Stop(143)
+        self.got_term, self.term_at = True, time.monotonic()
+        self.keep(signal.SIGTERM, "TERM (scancel, preemption or time limit)")
+
+    def keep(self, signum: int, what: str) -> None:
+        """A stop signal for the trainer: sent once it is running and handles it (`deliver`), so that one
+        that came while the Ray cluster was starting is honoured instead of dropped."""
+        self.pending.append(signum)
         if self.trainer and self.trainer.poll() is None:
-            log.info("got USR1 (time limit near): forwarding to the trainer (pid %d)", self.trainer.pid)
-            self.trainer.send_signal(signal.SIGUSR1)
+            log.info("got %s: forwarding to the trainer (pid %d)", what, self.trainer.pid)
         else:
-            log.info("got USR1 (time limit near) before the trainer started; nothing to forward")
+            log.info("got %s while the Ray cluster starts: kept for the trainer, which stops at its first step", what)
+
+    def deliver(self) -> None:
+        # Before the trainer's Python has its handler, USR1 or TERM would kill it without a checkpoint.
+        while self.pending and self.trainer and catches(self.trainer.pid, self.pending[0]):
+            signum = self.pending.pop(0)
+            self.trainer.send_signal(signum)
+            if signum == signal.SIGTERM:
+                self.term_at = time.monotonic()  # the grace counts from when the trainer heard it
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGUSR1, self.on_usr1)
-        signal.signal(signal.SIGTERM, Launcher.on_stop("TERM (scancel or time limit)", 143))
+        signal.signal(signal.SIGTERM, self.on_term)
         signal.signal(signal.SIGINT, Launcher.on_stop("INT", 130))
 
     @staticmethod
@@ -88,6 +131,18 @@ class Launcher:
             raise Stop(code)
 
         return handler
+
+    def wait_for_trainer(self) -> int:
+        """The trainer's exit code; after a TERM it gets RAYTRAIN_STOP_GRACE_S to checkpoint and exit."""
+        grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "60"))
+        started = time.monotonic()
+        while (rc := self.trainer.poll()) is None:
+            self.deliver()
+            if self.got_term and time.monotonic() > max(self.term_at, started) + grace:
+                log.info("the trainer did not stop within %.0fs of TERM (RAYTRAIN_STOP_GRACE_S)", grace)
+                raise Stop(143)
+            time.sleep(0.2)
+        return rc
 
     # ---------------------------------------------------------------- the job
     def run(self) -> int:
@@ -224,21 +279,12 @@ class Launcher:
 
     def bring_up_and_train(self, chosen: dict) -> int:
         plan = self.plan
-        old_umask = os.umask(0o077)  # token and job dir are private to the user
         try:
-            job_dir = Path(plan.job_dir)
-            shutil.rmtree(job_dir, ignore_errors=True)  # stale, from an earlier run of this job id
-            job_dir.mkdir(parents=True)
-            try:
-                os.chmod(job_dir.parent, 0o700)
-            except OSError:
-                pass  # not ours: the job dir itself is private
-            token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
-            token.write_text(secrets.token_hex(32))
-            token.chmod(0o600)
-            (job_dir / "plan.json").write_text(plan.to_json())
-        finally:
-            os.umask(old_umask)
+            prepare_job_dir(plan.job_dir, os.environ["RAY_AUTH_TOKEN_PATH"], plan.to_json())
+        except UnsafePath as err:
+            raise LaunchError(
+                f"{err}; remove it or set RAYTRAIN_JOB_DIR_BASE to a directory of yours", EXIT_BRINGUP
+            ) from None
 
         log.info("starting Ray head on %s", plan.head)
         self.start_node(0)
@@ -269,7 +315,7 @@ class Launcher:
         cmd = [sys.executable, "-u", "-m", plan.module, "--address", plan.head_address, *shape.extra_args, *self.args]
         log.info("trainer: %s", " ".join(cmd))
         self.trainer = subprocess.Popen(cmd)
-        rc = self.trainer.wait()  # a handled USR1 does not end the wait (PEP 475)
+        rc = self.wait_for_trainer()
         self.trainer = None
         log.info("trainer exited with code %d; run directory: %s", rc, self.run_dir(chosen))
         if rc == EXIT_STOPPED and self.got_usr1:
@@ -352,6 +398,7 @@ class Launcher:
         while True:
             try:
                 preflight.init_ray(plan.head_address, logging_level=logging.ERROR, log_to_driver=False)
+                self.install_signal_handlers()  # ray.init replaced TERM's: a TERM while nodes join is kept too
                 break
             except ConfigError as err:
                 if time.monotonic() > deadline:

@@ -299,6 +299,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     if config.mlflow_uri:
         require_mlflow()
     dashboard_url = connect(config, plugins["import_roots"])
+    stop_signal.take_back()
     if dataset_fn:
         plan = plugin_plan(config, dataset_fn, dataset_label)
         start_state = _check_plan(config, plan, model_fn)

@@ -6,8 +6,10 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -34,6 +36,13 @@ class StopSignal:
     at: float = 0.0
     training_over: bool = False
     monitor: object = None  # the run's RunMonitor, once training is about to start
+    handler: Callable[[int, Any], None] | None = None  # stop_on_signals' handler, while it is in charge
+
+    def take_back(self) -> None:
+        """After ray.init, which sets its own SIGTERM handler (exit at once): a TERM stops at a checkpoint again."""
+        if self.handler is not None:
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self.handler)
 
     def forward_to(self, monitor) -> None:
         """From now on the workers hear of a stop; one that came during start-up, at once."""
@@ -72,6 +81,7 @@ def stop_on_signals():
             if stop.monitor is not None:
                 stop.monitor.request_stop.remote(reason)
 
+    stop.handler = on_signal
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     if _early:
         on_signal(_early[0], None)
@@ -79,6 +89,7 @@ def stop_on_signals():
     try:
         yield stop
     finally:
+        stop.handler = None
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

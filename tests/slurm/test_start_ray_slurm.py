@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes
+from slurm_testbed import HEAD_NETNS, NODES, REPO, SCRIPT, Job, Testbed, job_processes
 from support import train_api_run
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API
@@ -126,6 +126,40 @@ def test_infeasible_worker_count_fails_fast(testbed: Testbed) -> None:
     assert job.elapsed < 30, show(job)
     line = next((l for l in job.log.splitlines() if "ERROR" in l), "")
     assert "8" in line and "2" in line, f"error should say what was asked (8) and what exists (2 nodes):\n{show(job)}"
+    assert_no_leftovers(job)
+
+
+def test_a_temp_dir_planted_by_someone_else_is_refused_in_one_line(testbed: Testbed) -> None:
+    """The worker node's /tmp/rtJOBID.1, planted before the job as a symlink to a directory Ray would make
+    0777: refused in one ERROR line naming it, exit 3, the target untouched, nothing of the job left."""
+    wd = testbed.workdir("planted")
+    sub = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES, str(SCRIPT), *SMALL_RUN],
+        cwd=wd,
+        env=testbed.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    job_id = int(sub.stdout.strip().split(";")[0])
+    target, planted = wd / "target", Path(f"/tmp/rt{job_id}.1")
+    target.mkdir(mode=0o755)
+    planted.symlink_to(target)
+    try:
+        t0 = time.monotonic()
+        subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
+        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+            assert time.monotonic() - t0 < 300, "job did not finish"
+            time.sleep(1)
+        job = Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
+        errors = [line for line in job.log.splitlines() if "ERROR" in line]
+        assert len(errors) == 1, show(job)
+        assert f"rtnode2: {planted} is a symlink (to {target}); refusing to follow it" in errors[0], show(job)
+        assert "exit code 3" in job.log, show(job)
+        assert planted.is_symlink() and target.stat().st_mode & 0o777 == 0o755 and not list(target.iterdir())
+    finally:
+        planted.unlink(missing_ok=True)
     assert_no_leftovers(job)
 
 
@@ -274,11 +308,12 @@ def _log_time(log: str, needle: str) -> float:
     return h * 3600 + m * 60 + s
 
 
-def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed) -> None:
-    """The time-limit warning end to end: USR1 -> checkpoint mid-epoch -> exit 75 ->
-    scontrol requeue -> the same job id runs again in the same run directory,
-    resumes from that checkpoint and finishes the requested epochs."""
-    epochs = 8  # an epoch takes ~1.5 s here and a stop 3-5 s to reach every rank: room for it to land mid-run
+def test_usr1_while_ray_starts_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed) -> None:
+    """The time-limit warning end to end, sent while the Ray cluster is still starting (before the trainer
+    exists): kept, sent to the trainer once it handles it -> checkpoint at its first step -> exit 75 ->
+    scontrol requeue -> the same job id runs again in the same run directory, resumes from that
+    checkpoint and finishes the requested epochs."""
+    epochs = 3
     wd = testbed.workdir("preempt")
     log_path = wd / "job.out"
     sub = subprocess.run(
@@ -309,12 +344,11 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed
     run_dir = wd / "runs" / f"raytrain-{job_id}"
     t0 = time.monotonic()
     try:
-        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
-            assert time.monotonic() - t0 < 300, "epoch 1 never recorded:\n" + (
+        while "starting Ray head" not in (log_path.read_text() if log_path.exists() else ""):
+            assert time.monotonic() - t0 < 300, "the job never started:\n" + (
                 log_path.read_text() if log_path.exists() else ""
             )
-            time.sleep(0.5)
-        time.sleep(1)  # into epoch 2
+            time.sleep(0.2)
         subprocess.run(["scancel", "--signal=USR1", "--batch", str(job_id)], check=True, timeout=30)
         while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
             assert time.monotonic() - t0 < 600, "the job (or its requeued run) did not finish:\n" + log_path.read_text()
@@ -323,14 +357,16 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed
         subprocess.run(["scancel", str(job_id)], timeout=30)
     log = log_path.read_text()
     job = Job(job_id, -1, log, time.monotonic() - t0, wd)
-    assert "got USR1 (time limit near): forwarding to the trainer" in log, show(job)
-    assert "Got SIGUSR1 (Slurm's warning before the time limit)" in log, show(job)
-    assert "trainer exited with code 75" in log, show(job)
-    assert f"requeued job {job_id} (restart 1)" in log, show(job)
-    assert f"job {job_id} (restart count 1)" in log, show(job)  # the same job id ran again...
-    assert f"run directory: {run_dir}" in log.split("(restart count 1)", 1)[1], show(job)  # ...in the same run dir
-    assert "Resuming from checkpoint " in log, show(job)
-    assert "trainer exited with code 0" in log, show(job)
+    first, _, again = log.partition(f"job {job_id} (restart count 1)")
+    assert "got USR1 (time limit near) while the Ray cluster starts: kept for the trainer" in first, show(job)
+    assert first.index("got USR1") < first.index("trainer: "), show(job)  # before the trainer existed
+    assert "Got SIGUSR1 (Slurm's warning before the time limit)" in first, show(job)
+    assert "trainer exited with code 75" in first, show(job)
+    assert f"requeued job {job_id} (restart 1)" in first, show(job)
+    assert again, show(job)  # the same job id ran again...
+    assert f"run directory: {run_dir}" in again, show(job)  # ...in the same run dir
+    assert "Resuming from checkpoint " in again, show(job)
+    assert "trainer exited with code 0" in again, show(job)
     assert [json.loads(l)["epoch"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(
         range(1, epochs + 1)
     )
@@ -339,7 +375,7 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed
     print(
         f"USR1 -> trainer exit 75: {_log_time(log, 'trainer exited with code 75') - _log_time(log, 'got USR1'):.0f}s; "
         f"requeue -> trainer start again: "
-        f"{_log_time(log.split('(restart count 1)', 1)[1], 'trainer: ') - _log_time(log, 'requeued job'):.0f}s; "
+        f"{_log_time(again, 'trainer: ') - _log_time(log, 'requeued job'):.0f}s; "
         f"whole test {job.elapsed:.0f}s"
     )
     assert_no_leftovers(job)
