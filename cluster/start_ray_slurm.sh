@@ -39,6 +39,7 @@
 #   RAYTRAIN_JOB_DIR_BASE    shared, private dir for the job's auth token (default ~/.raytrain)
 #   RAYTRAIN_JOIN_TIMEOUT    seconds to wait for all nodes to join (default 180)
 #   RAYTRAIN_STOP_GRACE_S    seconds the trainer gets to checkpoint after a TERM (default 60)
+#   RAYTRAIN_STOP_BEFORE_END_S  checkpoint and requeue this long before the time limit, USR1 or not (default 300)
 #   RAYTRAIN_DASHBOARD       1/0: start the Ray dashboard on the head (default 1)
 #   RAY_OBJECT_STORE_MEMORY  object store bytes per node (default: Ray's choice)
 #   RAYTRAIN_DRY_RUN=1       print the plan (nodes, resources, ports, command) and exit

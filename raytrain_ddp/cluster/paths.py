@@ -13,6 +13,8 @@ import os
 import shutil
 import stat
 
+from raytrain_ddp.files import create_private
+
 
 class UnsafePath(Exception):
     """A path the job must not use: the message is one line naming it."""
@@ -64,8 +66,6 @@ def remove_own_dir(path: str) -> None:
 def create_secret(path: str, text: str) -> None:
     """Write `text` to a new file only we can read: never an existing file, never through a symlink."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
+        create_private(path, text)
+    except FileExistsError:  # a file or a planted link
         raise UnsafePath(f"{path} already exists; refusing to reuse it as this job's token") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(text)

@@ -135,8 +135,15 @@ class Launcher:
     def wait_for_trainer(self) -> int:
         """The trainer's exit code; after a TERM it gets RAYTRAIN_STOP_GRACE_S to checkpoint and exit."""
         grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "60"))
+        margin = float(os.environ.get("RAYTRAIN_STOP_BEFORE_END_S", "300"))
+        stop_at = planning.stop_before_end(os.environ, margin)
         started = time.monotonic()
         while (rc := self.trainer.poll()) is None:
+            if stop_at is not None and time.time() >= stop_at and not self.got_usr1:
+                # as if Slurm's USR1 had come: a job submitted without --signal, or a signal lost, still
+                # ends with a checkpoint and is requeued
+                log.info("the time limit is %.0fs away (SLURM_JOB_END_TIME) and no USR1 came", margin)
+                self.on_usr1(signal.SIGUSR1, None)
             self.deliver()
             if self.got_term and time.monotonic() > max(self.term_at, started) + grace:
                 log.info("the trainer did not stop within %.0fs of TERM (RAYTRAIN_STOP_GRACE_S)", grace)
