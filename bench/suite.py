@@ -41,6 +41,7 @@ Figures (each: median and min..max over the repeats; ratios are taken per round)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -85,17 +86,8 @@ class Sizes:
 QUICK = Sizes(  # the smallest that still has a steady-state window (micro-batches 10.. of 32 per epoch)
     train_size=1024, val_size=64, epochs=2, batch_size=16, repeats=1, ingest_rows=8192, ingest_epochs=5, loader_cpus=2
 )
-SMOKE = Sizes(  # every part runs once, on the least data that still has a window: a check, not a measurement
-    train_size=512,
-    val_size=32,
-    epochs=2,
-    batch_size=16,
-    repeats=1,
-    ingest_rows=4096,
-    ingest_epochs=5,
-    loader_cpus=2,
-    parquet_pair=False,
-)
+# every part runs once, on the least data that still has a window: a check, not a measurement
+SMOKE = dataclasses.replace(QUICK, train_size=512, val_size=32, ingest_rows=4096, parquet_pair=False)
 FULL = Sizes(
     train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_rows=32768, ingest_epochs=8, loader_cpus=2
 )

@@ -59,6 +59,20 @@ def _run_in_train_api(job_log: Path, job_id: int) -> dict | None:
         return None
 
 
+def submit_held(testbed: Testbed, wd: Path) -> int:
+    """The small two-node run submitted on hold (released by the test once it has set the scene): its job id."""
+    sub = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES, str(SCRIPT), *SMALL_RUN],
+        cwd=wd,
+        env=testbed.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return int(sub.stdout.strip().split(";")[0])
+
+
 def show(job: Job) -> str:
     return f"job {job.job_id} rc={job.returncode} after {job.elapsed:.1f}s; log:\n{job.log}"
 
@@ -133,16 +147,7 @@ def test_a_temp_dir_planted_by_someone_else_is_refused_in_one_line(testbed: Test
     """The worker node's /tmp/rtJOBID.1, planted before the job as a symlink to a directory Ray would make
     0777: refused in one ERROR line naming it, exit 3, the target untouched, nothing of the job left."""
     wd = testbed.workdir("planted")
-    sub = subprocess.run(
-        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES, str(SCRIPT), *SMALL_RUN],
-        cwd=wd,
-        env=testbed.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    job_id = int(sub.stdout.strip().split(";")[0])
+    job_id = submit_held(testbed, wd)
     target, planted = wd / "target", Path(f"/tmp/rt{job_id}.1")
     target.mkdir(mode=0o755)
     planted.symlink_to(target)
@@ -167,25 +172,7 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
     """A 2-node training run, one worker per node, on shared storage; its derived Ray port is taken on
     the head node, so it moves to the next free block (one job for both: a Ray bring-up costs ~30 s)."""
     wd = testbed.workdir("train")
-    sub = subprocess.run(
-        [
-            "sbatch",
-            "--hold",
-            "--parsable",
-            "--output",
-            str(wd / "job.out"),
-            *TWO_NODES,
-            str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
-            *SMALL_RUN,
-        ],
-        cwd=wd,
-        env=testbed.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    job_id = int(sub.stdout.strip().split(";")[0])
+    job_id = submit_held(testbed, wd)
     port = derived_port(job_id)
     # Occupy the derived GCS port on rtnode1 (the head) from inside its namespace.
     squatter = subprocess.Popen(
