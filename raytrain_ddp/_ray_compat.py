@@ -187,16 +187,28 @@ def private_token_for_local_start() -> Path | None:
 
 
 def kill_train_controller() -> None:
-    """Kill this job's Ray Train controller, so that TorchTrainer.fit() raises.
+    """Kill this job's Ray Train controller, so that TorchTrainer.fit() raises, and free what it held.
 
-    Ray offers no handle to the controller (it lives inside fit()); the job's actor table names it.
+    Ray offers no handle to the controller (it lives inside fit()); the job's actor table names it. Its
+    placement group outlives it while this driver lives: Ray Train's PlacementGroupCleaner frees it only once
+    the dashboard's state API says the controller is dead, and in a notebook the interrupt (SIGINT to the
+    kernel's whole process group) has killed the dashboard of a Ray started there, so the next run would
+    wait for those CPUs for ever. The placement groups the controller created go with it.
     """
-    from ray._private.state import actors
+    from ray._private.state import actors, state
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     job_id = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    killed = set()
     for actor_id, actor in actors(job_id=job_id).items():
         if actor["ActorClassName"] == "TrainController" and actor["State"] != "DEAD":
             ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+            killed.add(actor_id)
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        group = gcs_pb2.PlacementGroupTableData.FromString(raw)
+        if group.creator_actor_id.hex() in killed and group.state != gcs_pb2.PlacementGroupTableData.REMOVED:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(group.placement_group_id)))
 
 
 # ------------------------------------------------------------------ which failures Ray Train retries

@@ -100,17 +100,20 @@ def test_interrupting_a_jupyter_kernel_ends_the_run_and_later_interrupts_still_w
     try:
         setup = f"from raytrain_ddp import TrainConfig, fit\nsettings = {SMALL_LONG_RUN!r}\n"
         assert _execute(client, setup, timeout=120)["status"] == "ok"
-        message_id = client.execute(f"fit(TrainConfig(name='notebook', storage_path={str(tmp_path)!r}, **settings))")
-        _wait_for_epoch_1(tmp_path / "notebook")
-        interrupted_at = time.monotonic()
-        manager.interrupt_kernel()
-        reply = _reply(client, message_id, timeout=120)
-        assert reply["status"] == "error" and reply["ename"] == "Interrupted", reply
-        assert time.monotonic() - interrupted_at < 60, "the cell did not end promptly"
-        summary = json.loads((tmp_path / "notebook" / "summary.json").read_text())
-        assert summary["status"] == "interrupted", summary
-        assert not _gone(b"RayTrainWorker"), "workers of the run left running"
-        # Ctrl-C still works in the next cell: no handler of the run's is left behind to swallow it
+        # Twice in the same kernel: the first run leaves nothing behind (workers, placement group, a signal
+        # handler of its own) that would keep the second from starting or its interrupt from landing
+        for name in ("notebook", "notebook-again"):
+            message_id = client.execute(f"fit(TrainConfig(name={name!r}, storage_path={str(tmp_path)!r}, **settings))")
+            _wait_for_epoch_1(tmp_path / name)
+            interrupted_at = time.monotonic()
+            manager.interrupt_kernel()
+            reply = _reply(client, message_id, timeout=120)
+            assert reply["status"] == "error" and reply["ename"] == "Interrupted", (name, reply)
+            assert time.monotonic() - interrupted_at < 60, f"{name}: the cell did not end promptly"
+            summary = json.loads((tmp_path / name / "summary.json").read_text())
+            assert summary["status"] == "interrupted", summary
+            assert not _gone(b"RayTrainWorker"), f"{name}: workers of the run left running"
+        # Ctrl-C still works in a cell that is no run: no handler of the runs' is left behind to swallow it
         message_id = client.execute("import time\ntime.sleep(300)")
         time.sleep(3)
         interrupted_at = time.monotonic()
