@@ -21,7 +21,7 @@ from pathlib import Path
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, headline
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, load_file
 
 log = logging.getLogger("raytrain_ddp")
@@ -50,7 +50,7 @@ def read_verified(checkpoint_dir: Path) -> tuple[dict | None, str | None]:
     try:
         state = load_file(path)
     except Exception as err:  # truncated, garbage, not a torch file: all mean "unusable"
-        return None, f"it does not load ({_first_line(err)})"
+        return None, f"it does not load ({headline(err)})"
     if not isinstance(state, dict):
         return None, f"it holds a {type(state).__name__}, not a checkpoint"
     missing = [key for key in REQUIRED_KEYS if key not in state]
@@ -61,11 +61,6 @@ def describe(checkpoint_dir: Path, state: dict) -> str:
     """Where a checkpoint stands: "PATH (epoch E)", or "(epoch E, step S)" when taken mid-epoch."""
     step = f", step {state['step_in_epoch']}" if state.get("step_in_epoch") else ""
     return f"{checkpoint_dir} (epoch {state['epoch']}{step})"
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 # ------------------------------------------------------------------ a resumed run

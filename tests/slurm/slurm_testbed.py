@@ -70,6 +70,19 @@ class Testbed:
         d.mkdir(parents=True)
         return d
 
+    def submit(self, wd: Path, sbatch_args: list[str], script_args: list[str]) -> int:
+        """Submit start_ray_slurm.sh without waiting (the job's log: wd/job.out); returns the job id."""
+        sub = subprocess.run(
+            ["sbatch", "--parsable", "--output", str(wd / "job.out"), *sbatch_args, str(SCRIPT), *script_args],
+            cwd=wd,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return int(sub.stdout.strip().split(";")[0])
+
     def sbatch(
         self,
         sbatch_args: list[str],

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import HEAD_NETNS, NODES, REPO, SCRIPT, Job, Testbed, job_processes
+from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes
 from support import train_api_run
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API
@@ -57,20 +57,6 @@ def _run_in_train_api(job_log: Path, job_id: int) -> dict | None:
         )
     except OSError:  # the token file went with the job's end
         return None
-
-
-def submit_held(testbed: Testbed, wd: Path) -> int:
-    """The small two-node run submitted on hold (released by the test once it has set the scene): its job id."""
-    sub = subprocess.run(
-        ["sbatch", "--hold", "--parsable", "--output", str(wd / "job.out"), *TWO_NODES, str(SCRIPT), *SMALL_RUN],
-        cwd=wd,
-        env=testbed.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return int(sub.stdout.strip().split(";")[0])
 
 
 def show(job: Job) -> str:
@@ -147,7 +133,7 @@ def test_a_temp_dir_planted_by_someone_else_is_refused_in_one_line(testbed: Test
     """The worker node's /tmp/rtJOBID.1, planted before the job as a symlink to a directory Ray would make
     0777: refused in one ERROR line naming it, exit 3, the target untouched, nothing of the job left."""
     wd = testbed.workdir("planted")
-    job_id = submit_held(testbed, wd)
+    job_id = testbed.submit(wd, ["--hold", *TWO_NODES], SMALL_RUN)
     target, planted = wd / "target", Path(f"/tmp/rt{job_id}.1")
     target.mkdir(mode=0o755)
     planted.symlink_to(target)
@@ -172,7 +158,7 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
     """A 2-node training run, one worker per node, on shared storage; its derived Ray port is taken on
     the head node, so it moves to the next free block (one job for both: a Ray bring-up costs ~30 s)."""
     wd = testbed.workdir("train")
-    job_id = submit_held(testbed, wd)
+    job_id = testbed.submit(wd, ["--hold", *TWO_NODES], SMALL_RUN)
     port = derived_port(job_id)
     # Occupy the derived GCS port on rtnode1 (the head) from inside its namespace.
     squatter = subprocess.Popen(
@@ -303,31 +289,8 @@ def test_usr1_while_ray_starts_checkpoints_requeues_and_the_requeued_job_resumes
     epochs = 3
     wd = testbed.workdir("preempt")
     log_path = wd / "job.out"
-    sub = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--output",
-            str(log_path),
-            *TWO_NODES,
-            str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
-            "--epochs",
-            str(epochs),
-            "--train-size",
-            "2048",
-            "--val-size",
-            "256",
-            "--no-report",
-            "--no-tensorboard",
-        ],
-        cwd=wd,
-        env=testbed.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    job_id = int(sub.stdout.strip().split(";")[0])
+    run_args = ["--epochs", str(epochs), "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"]
+    job_id = testbed.submit(wd, TWO_NODES, run_args)
     run_dir = wd / "runs" / f"raytrain-{job_id}"
     t0 = time.monotonic()
     try:
