@@ -117,9 +117,12 @@ def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_add
         val_size=128,
         clip_grad_norm=1.0,
     )
-    result = fit(_config(tmp_path, "fsdp-lm", epochs=2, **settings))
+    result = fit(_config(tmp_path, "fsdp-lm", epochs=2, log_every_steps=4, **settings))
     assert result.ok, result.summary["error"]
     first, last = result.epochs
+    # Clipping computes the global gradient norm (over both ranks' shards): steps.jsonl records it
+    steps = [json.loads(line) for line in (result.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert steps and all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in steps)
     assert first["train_loss"] < math.log(64)  # below a uniform guess over the vocabulary...
     assert last["val_loss"] < 0.75 * math.log(64)  # ...and clearly below it after two epochs
     assert last["val_identical_across_ranks"]

@@ -75,6 +75,8 @@ def aggregate_step(by_rank: dict[int, dict]) -> dict:
         "samples_per_second": sum(samples) / seconds if seconds > 0 else None,
         "seconds": seconds,
         "world_size": len(ranks),
+        # the global norm (over all ranks' gradients and shards): the same number on every rank
+        **({"grad_norm": first["grad_norm"]} if "grad_norm" in first else {}),
     }
 
 

@@ -44,6 +44,7 @@ STEP_SCALARS = {  # steps.jsonl field -> tag
     "train_loss_max": "step/train_loss_max",
     "lr": "step/lr",
     "samples_per_second": "step/samples_per_second",
+    "grad_norm": "step/grad_norm",
 }
 PER_RANK = {  # record field -> tag group; each rank r is GROUP/rank_{r}
     "data_wait_seconds_per_rank": "data_wait",

@@ -141,6 +141,7 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
         self.scaler = strategy.grad_scaler(config, device)
         self.loss_fn = make_loss_fn(config, plugins.get("loss_fn"))
+        self.grad_norm: torch.Tensor | None = None  # the last optimizer step's, when computed
 
     def restore(self, state: dict) -> ckpt.Position:
         strategy.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
@@ -171,11 +172,15 @@ class Trainer:
         return loss
 
     def optimizer_step(self) -> bool:
-        """Clip, step, advance the schedule. False when the step was skipped (non-finite gradients)."""
+        """Clip, step, advance the schedule. False when the step was skipped (non-finite gradients).
+
+        `grad_norm` keeps the step's global gradient norm, on the device, when clipping or the finite check
+        computed it (None otherwise): steps.jsonl reads it at the next refresh, not now.
+        """
         self.scaler.unscale_(self.optimizer)  # clipping and the finite check see true gradients
-        skipped = False
+        skipped, self.grad_norm = False, None
         if self.config.clip_grad_norm or self.config.skip_nonfinite:
-            norm = strategy.gradient_norm(self.model, self.config.clip_grad_norm)
+            self.grad_norm = norm = strategy.gradient_norm(self.model, self.config.clip_grad_norm)
             skipped = self.config.skip_nonfinite and not bool(torch.isfinite(norm))  # equal on all ranks
         if not skipped:
             self.scaler.step(self.optimizer)  # with fp16, the scaler itself skips inf/NaN steps
@@ -309,7 +314,7 @@ class WorkerLoop:
         self.hooks.on_optimizer_step(self.rank, epoch, run.optimizer_steps)
         self.position.global_step += 1
         if config.log_every_steps and self.position.global_step % config.log_every_steps == 0:
-            meter.mark_step({"step": self.position.global_step, "epoch": epoch, "lr": lr})
+            meter.mark_step({"step": self.position.global_step, "epoch": epoch, "lr": lr}, trainer.grad_norm)
         return not is_last and self.between_steps(epoch, run)  # after the last step: the epoch's own checkpoint
 
     def between_steps(self, epoch: int, run: EpochRun) -> bool:

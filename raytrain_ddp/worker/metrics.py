@@ -52,9 +52,16 @@ class EpochMeter:
         self.samples += batch_size
         self.micro_batches += 1
 
-    def mark_step(self, record: dict) -> None:
-        """An optimizer step to record in steps.jsonl: its loss is read at the next refresh, not now."""
-        self._marks.append((record, self._sums, self.samples, time.perf_counter()))
+    def mark_step(self, record: dict, grad_norm: torch.Tensor | None = None) -> None:
+        """An optimizer step to record in steps.jsonl: its loss (and gradient norm, when computed) are read at
+        the next refresh, not now."""
+        # [norm, 1.0] or [0.0, 0.0]: a flag, since a NaN norm (with --skip-nonfinite) is one to record
+        norm = (
+            self._sums.new_zeros(2)
+            if grad_norm is None
+            else F.pad(grad_norm.detach().float().view(1), (0, 1), value=1.0)
+        )
+        self._marks.append((record, torch.cat([self._sums, norm]), self.samples, time.perf_counter()))
 
     def refresh_loss(self) -> float:
         """The mean loss so far, read from the device (one sync): call only at the documented cadences.
@@ -65,9 +72,10 @@ class EpochMeter:
         if self._sums is None:
             return self.loss
         marks, self._marks = self._marks, []
-        (loss_sum, counted), *marked = torch.stack([self._sums, *(mark[1] for mark in marks)]).tolist()
+        now = F.pad(self._sums, (0, 2))
+        (loss_sum, counted, _, _), *marked = torch.stack([now, *(mark[1] for mark in marks)]).tolist()
         self.loss = loss_sum / counted if counted else float("nan")
-        for (record, _, samples, at), (mark_sum, mark_counted) in zip(marks, marked):
+        for (record, _, samples, at), (mark_sum, mark_counted, grad_norm, has_norm) in zip(marks, marked):
             last_sum, last_counted, last_samples, last_at = self._last_mark or (0.0, 0.0, 0, self.started)
             window = mark_counted - last_counted
             self.step_records.append(
@@ -76,6 +84,7 @@ class EpochMeter:
                     "loss": (mark_sum - last_sum) / window if window else float("nan"),
                     "samples": samples - last_samples,
                     "seconds": at - last_at,
+                    **({"grad_norm": grad_norm} if has_norm else {}),
                 }
             )
             self._last_mark = (mark_sum, mark_counted, samples, at)
