@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 from support import run_cli
 
@@ -302,24 +303,34 @@ def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
     from raytrain_ddp import TrainConfig, fit
     from raytrain_ddp.evaluate import evaluate_checkpoint
 
-    trained = fit(
-        TrainConfig(
-            num_workers=2,
-            data=str(out),
-            epochs=3,
-            batch_size=16,
-            report=False,
-            tensorboard=False,
-            storage_path=str(tmp_path / "runs"),
-            name="folder",
-        )
+    config = TrainConfig(
+        num_workers=2,
+        data=str(out),
+        epochs=3,
+        batch_size=16,
+        report=False,
+        tensorboard=False,
+        storage_path=str(tmp_path / "runs"),
+        name="folder",
     )
+    trained = fit(config)
     assert trained.ok, trained.summary["error"]
     summary = json.loads((tmp_path / "runs" / "folder" / "summary.json").read_text())
     assert summary["final_metrics"]["val_rows"] == 60
     assert summary["final_metrics"]["val_accuracy"] >= 0.6  # chance is 0.25
     scored = evaluate_checkpoint(summary["best_checkpoint"])
     assert abs(scored["val_accuracy"] - summary["best_metrics"]["val_accuracy"]) <= 1 / 60
+    # Validation images cross the object store as uint8 too (a quarter of the bytes), normalised where used:
+    # the score above matches evaluate's, which normalises on the host
+    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data, val_batches
+
+    datasets = build_datasets(config, plan_data(config))
+    shards = ShardingDataConfig().configure(
+        {"val": datasets["val"]}, world_size=2, worker_handles=None, worker_node_ids=None
+    )
+    batches, most = val_batches(shards[1]["val"], 16)
+    assert next(iter(batches))["x"].dtype == torch.uint8
+    assert most == 2  # 30 rows per rank, 16 a batch: what FSDP's lockstep pads to, known before reading
 
 
 # ------------------------------------------------------------------ bad data

@@ -109,3 +109,30 @@ def test_heartbeat_posts_host_values_while_the_training_thread_waits_in_a_collec
     assert result["posts"] >= 3  # rank 1 released the collective only after seeing them
     assert result["heartbeat_calls"] == []  # the thread never read a tensor
     assert result["last"] == [1, 2, 8, 2.0, "training"]  # the loss as of the last refresh
+
+
+def test_fsdp_validation_reads_its_batches_as_it_runs_them():
+    """Lockstep validation (FSDP) pads to the most batches any rank holds without first reading all of its own:
+    never more than one batch ahead of the forwards (each on the device, so a whole val split held at once could
+    not fit), and a rank that runs out runs the padding batch, uncounted."""
+    import torch
+
+    from raytrain_ddp.worker.metrics import default_loss, evaluate
+
+    pulled, ahead = 0, []
+
+    def batches():
+        nonlocal pulled
+        for label in (0, 1, 2):
+            pulled += 1
+            yield {"x": torch.full((2, 3), float(label)), "y": torch.tensor([label, label])}
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            ahead.append(pulled - len(ahead) - 1)  # batches read beyond the one this forward runs
+            return torch.nn.functional.one_hot(x[:, 0].long(), 3).float() * 10
+
+    padding = {"x": torch.zeros(1, 3)}
+    scored = evaluate(Probe(), batches(), default_loss, torch.device("cpu"), lockstep=(padding, 5))
+    assert len(ahead) == 5 and max(ahead[:3]) == 0  # 3 batches read one at a time, then 2 paddings
+    assert scored["val_rows"] == 6 and scored["val_accuracy"] == 1.0

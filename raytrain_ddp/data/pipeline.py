@@ -633,6 +633,17 @@ class DeviceFeed:
                 moved["x"] = normalise_images(moved["x"], self.spec)
             return moved, stream.record_event() if stream is not None else None
 
+    def ahead(self, batches: Iterable[dict]) -> Iterator[dict]:
+        """The batches on the device, each one's copy started while the one before it computes."""
+        sent = None
+        for batch in batches:
+            following = self.send(batch)
+            if sent is not None:
+                yield self.receive(sent)
+            sent = following
+        if sent is not None:
+            yield self.receive(sent)
+
     def receive(self, sent: tuple[dict, object]) -> dict:
         batch, copied = sent
         if copied is not None:
@@ -740,7 +751,32 @@ class ShardingDataConfig(DataConfig):
                     shards[rank][name] = TrainShard(source, rank, world_size, options)
                 else:
                     pieces = val_pieces(source.unit_rows, rank, world_size)
-                    dataset = _tasks_dataset(source, [[(*piece, None)] for piece in pieces])
+                    dataset = _tasks_dataset(source, [[(*piece, None)] for piece in pieces], normalise=False)
                     dataset.context.execution_options = options
-                    shards[rank][name] = dataset.iterator()
+                    shards[rank][name] = ValShard(dataset.iterator(), val_rows_per_rank(source.unit_rows, world_size))
         return shards
+
+
+@dataclass
+class ValShard:
+    """What Ray Train hands each rank for "val": an iterator over the rank's fixed rows (images as uint8, which
+    DeviceFeed finishes as it does training's) and every rank's row count, so that FSDP's lockstep knows the
+    most batches any rank holds without reading them first."""
+
+    iterator: ray.data.DataIterator
+    rows_per_rank: tuple[int, ...]
+
+
+def val_rows_per_rank(unit_rows: Sequence[int], world_size: int) -> tuple[int, ...]:
+    return tuple(
+        sum(stop - start for _, start, stop in val_pieces(unit_rows, r, world_size)) for r in range(world_size)
+    )
+
+
+def val_batches(shard: ValShard | ray.data.DataIterator, batch_size: int) -> tuple[Iterable[dict], int | None]:
+    """This rank's val batches as host tensors, and the most batches any rank has (None for a plug-in's split,
+    whose lengths are known only once read)."""
+    if isinstance(shard, ValShard):
+        most = max(-(-rows // batch_size) for rows in shard.rows_per_rank)
+        return shard.iterator.iter_torch_batches(batch_size=batch_size), most
+    return shard.iter_torch_batches(batch_size=batch_size), None

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, DeviceFeed, host_batches, padding_batch
+from raytrain_ddp.data.pipeline import DataSpec, DeviceFeed, host_batches, padding_batch, val_batches
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
 from raytrain_ddp.worker import checkpoint as ckpt
@@ -45,6 +45,7 @@ from raytrain_ddp.worker.metrics import (
     default_loss,
     evaluate,
     monitor_post,
+    most_over_ranks,
     parameter_checksum,
     sync_buffers,
 )
@@ -381,15 +382,20 @@ class WorkerLoop:
         # DDP: the bare module, not the wrapper: a DDP forward is itself a collective
         # (buffer broadcast), and ranks may hold different numbers of val batches.
         # FSDP: the sharded model, every rank in lockstep (its forward all-gathers).
-        fsdp = config.strategy == "fsdp"
-        val_batches = self.val_shard.iter_torch_batches(batch_size=config.batch_size, device=self.device)
+        fsdp, lockstep = config.strategy == "fsdp", None
+        batches, most = val_batches(self.val_shard, config.batch_size)
+        if fsdp:
+            if most is None:  # a plug-in's split: counted once read, held on the host (never on the device)
+                batches = list(batches)
+                most = most_over_ranks(len(batches), self.device)
+            lockstep = (padding_batch(self.spec, self.device), most)
         with strategy.autocast(config, self.device):  # the precision training ran in (evaluate.py does the same)
             return evaluate(
                 model if fsdp else strategy.unwrap(model),
-                val_batches,
+                self.feed.ahead(batches),
                 self.trainer.loss_fn,
                 self.device,
-                lockstep_padding=padding_batch(self.spec, self.device) if fsdp else None,
+                lockstep=lockstep,
                 on_batch=lambda done: self.validated(epoch, done),
             )
 

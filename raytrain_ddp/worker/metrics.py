@@ -7,7 +7,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import ray
@@ -229,25 +229,23 @@ def evaluate(
     batches,
     loss_fn,
     device: torch.device,
-    lockstep_padding: dict | None = None,
+    lockstep: tuple[dict, int] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict:
     """Validation loss and accuracy (per target: a class, or a next token) over ALL ranks' shards.
 
     Each rank sums over its own rows, then one all-reduce adds the sums, so
     every rank ends with the identical numbers, whatever rows it held.
-    With `lockstep_padding` (FSDP, whose forward is itself a collective) every
-    rank runs as many forwards as the rank with the most batches, running that
-    batch uncounted when it has run out: val shards may differ by a batch.
-    `on_batch(n)` is told after the n-th forward was launched (a padding one too).
+    With `lockstep` = (padding batch, the most batches any rank has) (FSDP,
+    whose forward is itself a collective) every rank runs that many forwards,
+    running the padding batch uncounted once it has run out: val shards may
+    differ by a batch. `on_batch(n)` is told after the n-th forward was
+    launched (a padding one too).
     """
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, targets, rows
-    if lockstep_padding is not None:
-        batches = list(batches)
-        count = torch.tensor([len(batches)], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        batches += [dict(lockstep_padding, padding=True)] * (int(count.item()) - len(batches))
+    if lockstep is not None:
+        batches = _padded(batches, *lockstep)
     for done, batch in enumerate(batches, start=1):
         outputs = model(batch["x"])
         if on_batch is not None:
@@ -263,6 +261,23 @@ def evaluate(
         dist.all_reduce(totals)
     loss_sum, correct, targets, rows = totals.tolist()
     return {"val_loss": loss_sum / targets, "val_accuracy": correct / targets, "val_rows": int(rows)}
+
+
+def _padded(batches: Iterable[dict], padding: dict, count: int) -> Iterator[dict]:
+    """`batches`, then the padding batch (marked uncounted) until `count` batches have gone by."""
+    done = 0
+    for batch in batches:
+        done += 1
+        yield batch
+    for _ in range(count - done):
+        yield dict(padding, padding=True)
+
+
+def most_over_ranks(count: int, device: torch.device) -> int:
+    """The largest `count` of any rank (one all-reduce)."""
+    most = torch.tensor([count], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 @torch.no_grad()
