@@ -118,6 +118,12 @@ class TrainConfig:
             "refused for tabular and token data"
         ),
     )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata=_flag(
+            "the device's peak dense TFLOP/s, for MFU (default: a table of known GPUs' bf16 peaks; none on CPU)"
+        ),
+    )
     tf32: bool = field(
         default=True,
         metadata=_flag("TF32 tensor cores for fp32 matmuls and convolutions on GPU (--no-tf32: full fp32)"),
@@ -293,6 +299,8 @@ class TrainConfig:
             raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         for flag_name, value, allowed in (
             ("--model", self.model, BUILTIN_MODELS),
             ("--dataset", self.dataset, BUILTIN_DATASETS),
@@ -342,6 +350,7 @@ UPPER_LIMITS = {
     "lr": 1e12,
     "warmup_epochs": 1_000_000,
     "clip_grad_norm": 1e9,
+    "peak_tflops": 1e6,  # a thousand petaFLOP/s per device
     "momentum": 1.0,
     "weight_decay": 10.0,
     "seed": 2**32 - 1,

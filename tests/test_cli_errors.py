@@ -27,6 +27,7 @@ CASES = [
     ("unknown-precision", ["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     ("unknown-strategy", ["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3'"),
     ("negative-clip", ["--clip-grad-norm", "-1"], "--clip-grad-norm must be > 0, got -1.0"),
+    ("zero-peak", ["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
     ("negative-warmup", ["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
     ("loss-not-a-path", ["--loss", "mse"], "--loss 'mse' is not an import path like pkg.module:fn"),
     (

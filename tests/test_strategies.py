@@ -117,9 +117,14 @@ def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_add
         val_size=128,
         clip_grad_norm=1.0,
     )
-    result = fit(_config(tmp_path, "fsdp-lm", epochs=2, log_every_steps=4, **settings))
+    result = fit(_config(tmp_path, "fsdp-lm", epochs=2, log_every_steps=4, peak_tflops=2.0, **settings))
     assert result.ok, result.summary["error"]
     first, last = result.epochs
+    # Model FLOPs, counted before sharding: each rank's MFU is its achieved TFLOP/s over the peak given
+    for epoch in result.epochs:
+        assert all(tflops > 0 for tflops in epoch["model_tflops_per_second_per_rank"])
+        assert epoch["mfu_per_rank"] == pytest.approx([t / 2.0 for t in epoch["model_tflops_per_second_per_rank"]])
+    assert result.summary["mfu"] == pytest.approx(sum(e["mfu"] for e in result.epochs) / 2)
     # Clipping computes the global gradient norm (over both ranks' shards): steps.jsonl records it
     steps = [json.loads(line) for line in (result.run_dir / "steps.jsonl").read_text().splitlines()]
     assert steps and all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in steps)
@@ -184,3 +189,17 @@ def test_compiled_model_trains(ray_address, tmp_path):
     assert result.ok, result.summary["error"]
     assert result.final_metrics["val_accuracy"] > 0.5
     assert result.summary["replicas_identical"]
+
+
+def test_model_flops_are_three_forwards_and_change_nothing():
+    """An MLP's forward is 2 FLOPs per weight (a multiply and an add); training counts 3 forwards."""
+    from raytrain_ddp.models import MLP
+    from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
+
+    model = MLP(20, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert training_flops_per_sample(model, torch.zeros(1, 20)) == 6 * weights
+    assert model.training and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert peak_tflops(torch.device("cpu"), None) is None and peak_tflops(torch.device("cpu"), 3.5) == 3.5

@@ -52,6 +52,12 @@ def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
     }
     if "gpu_memory_peak_gib" in first:
         record["gpu_memory_peak_gib_per_rank"] = [m["gpu_memory_peak_gib"] for m in ranks]
+    if "model_tflops_per_second" in first:  # see raytrain_ddp/worker/flops.py
+        record["model_tflops_per_second_per_rank"] = [m["model_tflops_per_second"] for m in ranks]
+        record["model_tflops_per_second"] = sum(record["model_tflops_per_second_per_rank"])
+        mfus = [m["mfu"] for m in ranks]
+        record["mfu_per_rank"] = mfus
+        record["mfu"] = None if None in mfus else sum(mfus) / len(mfus)
     record["stragglers"] = find_stragglers(record)
     return record
 

@@ -488,8 +488,16 @@ def _summary(
         "best_metrics": best_metrics,
         "checkpoints_ranked_by": f"{metric} ({mode})",
         "latest_checkpoint": os.path.join(latest.path, CHECKPOINT_FILE) if latest else None,
-        "samples_per_second": (sum(e["samples_per_second"] for e in epochs) / len(epochs)) if epochs else None,
+        "samples_per_second": _mean_of(epochs, "samples_per_second"),
+        "model_tflops_per_second": _mean_of(epochs, "model_tflops_per_second"),
+        "mfu": _mean_of(epochs, "mfu"),
         "param_checksums": checksums,
         "replicas_identical": None not in checksums and len(set(checksums)) == 1,
         "seconds": round(seconds, 2),
     }
+
+
+def _mean_of(epochs: list[dict], key: str) -> float | None:
+    """The mean of the epochs' `key`; None when there are no epochs or one has no value."""
+    values = [epoch.get(key) for epoch in epochs]
+    return None if not values or None in values else sum(values) / len(values)

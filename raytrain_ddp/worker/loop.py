@@ -34,6 +34,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
+from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
 from raytrain_ddp.worker.hooks import WorkerHooks, worker_hooks
 from raytrain_ddp.worker.metrics import (
     CHECKPOINT_STAGES,
@@ -136,6 +137,10 @@ class Trainer:
         # broadcasts rank zero's at wrap time); the data order comes from Ray Data.
         torch.manual_seed(config.seed)
         model = build_model(config, spec, plugins.get("model_fn"))
+        self.peak_tflops = peak_tflops(device, config.peak_tflops)
+        # Counted before sharding, on GPUs (or given a peak): the counter's first use imports torch._dynamo (2 s)
+        counted = device.type == "cuda" or self.peak_tflops is not None
+        self.flops_per_sample = training_flops_per_sample(model, padding_batch(spec, "cpu")["x"]) if counted else None
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
         self.optimizer = make_optimizer(config, self.model, self.world_size)  # after FSDP: it steps the local shards
         self.epoch_steps = steps_per_epoch(spec.train_rows // self.world_size, config)
@@ -431,6 +436,10 @@ class WorkerLoop:
             trainer.grad_syncs.wait_s if config.strategy == "ddp" and self.device.type == "cpu" else None
         )
         trainer.grad_syncs.calls, trainer.grad_syncs.wait_s = 0, 0.0
+        if trainer.flops_per_sample is not None and run.train_seconds > 0:
+            tflops = trainer.flops_per_sample * meter.samples / run.train_seconds / 1e12
+            rank_metrics["model_tflops_per_second"] = tflops
+            rank_metrics["mfu"] = tflops / trainer.peak_tflops if trainer.peak_tflops else None
         if self.device.type == "cuda":
             rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)

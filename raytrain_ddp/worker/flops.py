@@ -1,0 +1,58 @@
+"""Model FLOPs per training sample, and the device's peak, for achieved TFLOP/s and MFU.
+
+The count is made once per rank at start, with PyTorch's ``FlopCounterMode`` on
+one forward of a one-row batch in eval mode and without gradients (so nothing
+of the model changes: no BatchNorm statistics, no gradients), times 3: a
+backward costs twice a forward, the usual convention of MFU (PaLM, nanoGPT).
+MFU is model FLOPs per second over the device's dense bf16/fp16 peak: from
+``--peak-tflops`` or the table below; on CPU, or a GPU not in the table,
+there is no MFU unless the flag gives the peak. On CPU nothing is counted
+unless the flag is given (the counter's first use costs seconds of imports).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger(__name__)
+
+# Dense bf16/fp16 tensor-core peak, TFLOP/s, by a name torch.cuda.get_device_name() contains (first match).
+PEAK_TFLOPS = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 125.0),
+    ("L4", 121.0),
+    ("V100", 125.0),
+)
+
+
+def training_flops_per_sample(model: nn.Module, one_row: torch.Tensor) -> float | None:
+    """3x one forward's FLOPs for `one_row` (a batch of one); None when the model cannot be counted."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(one_row)
+    except Exception as err:  # a plug-in model may refuse a dummy row; MFU is a nicety, never a failure
+        log.warning("model FLOPs not counted (no MFU): %s: %s", type(err).__name__, err)
+        return None
+    finally:
+        model.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
+def peak_tflops(device: torch.device, given: float | None) -> float | None:
+    """The device's peak dense TFLOP/s: `given` (--peak-tflops), else the table's for a known GPU, else None."""
+    if given is not None:
+        return given
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
