@@ -225,6 +225,16 @@ class TrainConfig:
         default=None,
         metadata=_flag("also log to MLflow: a tracking server URL or file:///path/mlruns (needs the mlflow extra)"),
     )
+    wandb_project: str | None = field(
+        default=None,
+        metadata=_flag(
+            "also log to Weights & Biases, in this project (needs the wandb extra; WANDB_MODE=offline: to "
+            "RUN_DIR/wandb/ only, for a later `wandb sync`)"
+        ),
+    )
+    wandb_entity: str | None = field(
+        default=None, metadata=_flag("the W&B team or user of --wandb-project (default: your W&B default entity)")
+    )
     report: bool = field(default=True, metadata=_flag("write the HTML report with plots to RUN_DIR/report/ at the end"))
     # Console
     verbose: bool = field(default=False, metadata=_flag("show Ray's own logs and worker logs on the console"))
@@ -322,6 +332,7 @@ class TrainConfig:
             raise ConfigError("give either --data DIR or --train-data/--val-data, not both")
         if bool(self.train_data) != bool(self.val_data):
             raise ConfigError("--train-data and --val-data go together")
+        _check_wandb_names(self.wandb_project, self.wandb_entity)
         if self.name is None:
             self.name = "run-" + _timestamp()
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -338,6 +349,7 @@ class TrainConfig:
 # The largest value each numeric flag may take: beyond it a typo, not a run (the smallest is checked in validate()).
 # A run name becomes directory and file names (NAME_MAX is 255 bytes; Ray Train adds its own suffixes).
 MAX_NAME_LENGTH = 200
+WANDB_NAME_LENGTH = 128  # W&B's limit for project and entity names
 UPPER_LIMITS = {
     "num_workers": 100_000,
     "min_workers": 100_000,
@@ -385,6 +397,21 @@ def _check_values(config: TrainConfig) -> None:
         raise ConfigError(f"--momentum must be in [0, 1), got {config.momentum}")
     if not config.weight_decay >= 0:
         raise ConfigError(f"--weight-decay must be >= 0, got {config.weight_decay}")
+
+
+def _check_wandb_names(project: str | None, entity: str | None) -> None:
+    """What W&B accepts as a project or entity name, checked before a run starts rather than seconds into it."""
+    if entity is not None and project is None:
+        raise ConfigError("--wandb-entity goes with --wandb-project")
+    for flag_name, value in (("--wandb-project", project), ("--wandb-entity", entity)):
+        if value is None:
+            continue
+        if len(value) > WANDB_NAME_LENGTH:
+            raise ConfigError(f"{flag_name} is {len(value)} characters long; W&B takes at most {WANDB_NAME_LENGTH}")
+        if re.search(r"[/\\#?%:\s]", value):
+            raise ConfigError(
+                f"{flag_name} {value!r} may not hold '/', '\\', '#', '?', '%', ':' or spaces (W&B's rule)"
+            )
 
 
 def is_import_path(text: str) -> bool:

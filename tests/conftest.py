@@ -36,24 +36,32 @@ def ray_address() -> str:
 def trained_run(ray_address, tmp_path_factory):
     """One short real run (2 workers, 2 epochs), trained once for every test that only reads its results.
 
-    It also logs to an MLflow file store, STORAGE/mlruns, and records every 4th step (test_observe reads both back).
+    It also logs to an MLflow file store, STORAGE/mlruns, to an offline W&B run in RUN_DIR/wandb/ and records every
+    4th step (test_observe reads them back).
     """
+    from support import WANDB_OFFLINE
+
     from raytrain_ddp import TrainConfig, fit
 
     storage = tmp_path_factory.mktemp("shared-runs")
-    result = fit(
-        TrainConfig(
-            num_workers=2,
-            epochs=2,
-            train_size=1024,
-            val_size=256,
-            storage_path=str(storage),
-            name="shared",
-            report=False,
-            tensorboard=False,
-            mlflow_uri=f"file://{storage}/mlruns",
-            log_every_steps=4,  # 8 optimizer steps per epoch: steps.jsonl holds two records of each epoch
+    with pytest.MonkeyPatch.context() as env:  # the driver logs to W&B: no network here, and nothing prompts
+        for key, value in WANDB_OFFLINE.items():
+            env.setenv(key, value)
+        env.delenv("WANDB_DIR", raising=False)  # the default: the run's own directory
+        result = fit(
+            TrainConfig(
+                num_workers=2,
+                epochs=2,
+                train_size=1024,
+                val_size=256,
+                storage_path=str(storage),
+                name="shared",
+                report=False,
+                tensorboard=False,
+                mlflow_uri=f"file://{storage}/mlruns",
+                log_every_steps=4,  # 8 optimizer steps per epoch: steps.jsonl holds two records of each epoch
+                wandb_project="raytrain-tests",
+            )
         )
-    )
     assert result.ok, result.summary.get("error")
     return result.run_dir

@@ -113,3 +113,26 @@ def listening_addresses(root: int) -> list[tuple[str, int, int]]:
                 address = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
                 found.append((str(address), int(hex_port, 16), owner[fields[9]]))
     return found
+
+
+WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # no network here: W&B writes its files only
+
+
+def wandb_offline_runs(run_dir: Path) -> list[dict]:
+    """What each offline W&B run under RUN_DIR/wandb/ holds, oldest first, as wandb's own reader of the run's
+    .wandb transaction log prints it (`wandb leet inspect --json`): one dict per run, its records by type."""
+    runs = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*")):
+        out = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        records: dict[str, list] = {}
+        for line in out.splitlines():
+            record = json.loads(line)
+            records.setdefault(record["type"], []).append(record[record["type"]])
+        runs.append(records)
+    return runs

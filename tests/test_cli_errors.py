@@ -121,6 +121,19 @@ CASES = [
     ("data-missing", ["--data", "/no/such/dataset"], "/no/such/dataset"),
     ("empty-mlflow-uri", ["--mlflow-uri", ""], "--mlflow-uri must not be empty"),
     ("negative-log-every-steps", ["--log-every-steps", "-1"], "--log-every-steps must be at least 0, got -1"),
+    ("empty-wandb-project", ["--wandb-project", ""], "--wandb-project must not be empty"),
+    ("wandb-project-with-slash", ["--wandb-project", "team/proj"], "--wandb-project 'team/proj' may not hold '/'"),
+    (
+        "wandb-project-too-long",
+        ["--wandb-project", "p" * 129],
+        "--wandb-project is 129 characters long; W&B takes at most 128",
+    ),
+    ("wandb-entity-alone", ["--wandb-entity", "team"], "--wandb-entity goes with --wandb-project"),
+    (
+        "wandb-entity-with-space",
+        ["--wandb-project", "p", "--wandb-entity", "my team"],
+        "--wandb-entity 'my team' may not hold '/'",
+    ),
 ]
 
 
@@ -194,6 +207,15 @@ def test_bad_flag_is_one_line_and_exit_2(tmp_path, capsys, case_id, args, messag
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error: ") and message in lines[0]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_wandb_project_without_wandb_installed_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails for real, as where it is not installed
+    code, stderr = cli_main(["--storage-path", str(tmp_path / "runs"), "--wandb-project", "p"], capsys)
+    assert (code, stderr) == (2, "error: --wandb-project needs the wandb package: pip install 'raytrain-ddp[wandb]'\n")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 

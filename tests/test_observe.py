@@ -72,6 +72,33 @@ def test_mlflow_file_store_gets_params_and_metrics(trained_run):
     assert [(m.step, m.value) for m in step_history] == [(r["step"], pytest.approx(r["train_loss"])) for r in steps]
 
 
+def test_wandb_offline_run_holds_the_config_history_by_step_and_epoch_and_the_summary(trained_run):
+    from support import wandb_offline_runs
+
+    (run,) = wandb_offline_runs(trained_run)  # conftest.trained_run: WANDB_MODE=offline, in RUN_DIR/wandb/
+    (header,) = run["run"]
+    assert (header["display_name"], header["project"]) == ("shared", "raytrain-tests")
+    assert header["run_id"] == (trained_run / "wandb-run-id").read_text().strip()
+    assert header["config"]["update"]["num_workers"] == 2 and header["config"]["update"]["log_every_steps"] == 4
+    rows = [h["item"] for h in run["history"]]
+    steps = [json.loads(line) for line in (trained_run / "steps.jsonl").read_text().splitlines()]
+    assert [(r["global_step"], r["step/train_loss"]) for r in rows if "global_step" in r] == [
+        (s["step"], pytest.approx(s["train_loss"])) for s in steps
+    ]
+    summary = json.loads((trained_run / "summary.json").read_text())
+    epochs = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["val/accuracy"], r["train/loss"]) for r in rows if "epoch" in r] == [
+        (e["epoch"], pytest.approx(e["val_accuracy"]), pytest.approx(e["train_loss"])) for e in epochs
+    ]
+    metrics = {m.get("name") or m.get("glob_name"): m.get("step_metric") for m in run["metric"]}
+    assert metrics["step/*"] == "global_step" and metrics["val/accuracy"] == "epoch"
+    end = {k: v for update in run["summary"] for k, v in update["update"].items()}
+    assert end["status"] == "finished" and end["epochs_completed"] == 2
+    assert end["best/val_accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"])
+    assert end["val/accuracy"] == pytest.approx(summary["final_metrics"]["val_accuracy"])  # the last value
+    assert run["exit"][0].get("exit_code", 0) == 0
+
+
 def test_steps_jsonl_records_every_4th_step_and_its_windows_make_up_the_epochs(trained_run):
     steps = [json.loads(line) for line in (trained_run / "steps.jsonl").read_text().splitlines()]
     epochs = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]

@@ -303,7 +303,7 @@ def test_mlflow_params_hold_no_credentials(tmp_path):
     from raytrain_ddp.driver.mlflow_log import EXPERIMENT, MlflowLog
 
     uri = f"file://{tmp_path}/mlruns"
-    MlflowLog(uri, _config(tmp_path, data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")).close()
+    MlflowLog(uri, _config(tmp_path, data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")).close({"status": "finished"})
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
     assert run.data.params["data"] == "s3://***@bucket/ds" and run.info.status == "FINISHED"
@@ -335,3 +335,43 @@ def test_a_failing_tracking_server_is_logged_and_the_run_goes_on(tmp_path, caplo
         server.shutdown()
     assert f"MLflow at http://***@127.0.0.1:{server.server_port} failed (" in caplog.text
     assert "the run goes on without MLflow" in caplog.text and "s3cr3t" not in caplog.text
+
+
+# ------------------------------------------------------------------ Weights & Biases (issue 18.2), offline
+def test_a_resumed_run_continues_its_wandb_run_under_the_same_id(tmp_path, monkeypatch):
+    """Two starts of one run directory (a run and its resume), without Ray: one W&B id, the config masked."""
+    from support import WANDB_OFFLINE, wandb_offline_runs
+
+    from raytrain_ddp.driver.wandb_log import ID_FILE, WandbLog
+
+    for key, value in WANDB_OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    config = _config(tmp_path, wandb_project="p", data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")
+    config.run_dir.mkdir(parents=True)
+    for status in ("stopped", "finished"):
+        sink = WandbLog(config, config.run_dir)
+        sink.close({"status": status})
+    first, resumed = wandb_offline_runs(config.run_dir)
+    kept = (config.run_dir / ID_FILE).read_text().strip()
+    assert [run["run"][0]["run_id"] for run in (first, resumed)] == [kept, kept] == [sink.run_id, sink.run_id]
+    assert [run["exit"][0].get("exit_code", 0) for run in (first, resumed)] == [1, 0]
+    assert resumed["run"][0]["config"]["update"]["data"] == "s3://***@bucket/ds"
+
+
+def test_a_failing_wandb_is_logged_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    from support import WANDB_OFFLINE
+
+    from raytrain_ddp.driver.wandb_log import ID_FILE, WandbLog
+
+    for key, value in WANDB_OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    config = _config(tmp_path, wandb_project="p", wandb_entity="team")
+    config.run_dir.mkdir(parents=True)
+    (config.run_dir / ID_FILE).write_text("not/an:id\n")  # a damaged id file: wandb.init itself refuses it
+    with caplog.at_level(logging.ERROR, logger="raytrain_ddp"):
+        sink = WandbLog(config, config.run_dir)
+        sink.write_epoch({"epoch": 1, "train_loss": 1.0})
+        sink.close({"status": "finished"})
+    (line,) = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
+    assert line.startswith("W&B at team/p failed (") and line.endswith("the run goes on without W&B")

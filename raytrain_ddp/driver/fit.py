@@ -32,6 +32,7 @@ from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
+from raytrain_ddp.driver.wandb_log import WandbLog, require_wandb
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
 from raytrain_ddp.errors import ConfigError, one_line
 from raytrain_ddp.files import write_atomic
@@ -298,6 +299,8 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
         start_state = _check_plan(config, plan, model_fn)
     if config.mlflow_uri:
         require_mlflow()
+    if config.wandb_project:
+        require_wandb()
     dashboard_url = connect(config, plugins["import_roots"])
     stop_signal.take_back()
     if dataset_fn:
@@ -345,8 +348,10 @@ def _train(
 
     datasets = build_datasets(config, plan)
     monitor = start_monitor()
-    sinks = ([TensorBoardLog(run_dir)] if config.tensorboard else []) + (
-        [MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else []
+    sinks = (
+        ([TensorBoardLog(run_dir)] if config.tensorboard else [])
+        + ([MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else [])
+        + ([WandbLog(config, run_dir)] if config.wandb_project else [])
     )
     recorder = RunRecorder(run_dir, config, plan.spec.train_rows, start_workers, sinks)
     if recorder.epochs:
@@ -380,15 +385,18 @@ def _train(
             watcher.join()
             stop_reason = ray.get(monitor.stop_requested.remote())
             ray.kill(monitor)
-            for sink in sinks:
-                sink.close()
     if stop_signal.reason:
         log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
 
     with interrupts_deferred():
-        summary = _summary(
-            config, plan.spec.kind, recorder, result, error, stop_reason, time.time() - started, interrupted
-        )
+        summary = None
+        try:
+            summary = _summary(
+                config, plan.spec.kind, recorder, result, error, stop_reason, time.time() - started, interrupted
+            )
+        finally:  # the trackers end with the run's outcome (W&B's summary, MLflow's status)
+            for sink in sinks:
+                sink.close(summary)
         _finish(config, run_dir, summary, report=not interrupted)
     if interrupted:
         raise Interrupted(

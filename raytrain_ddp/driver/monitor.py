@@ -104,7 +104,9 @@ class RunRecorder:
         self.config = config
         self.train_rows = train_rows
         self.world_size = world_size  # of the current attempt: elastic runs (--min-workers) change it
-        self.sinks = sinks  # TensorBoardLog, MlflowLog: anything with write_epoch(record) and write_step(record)
+        self.sinks = (
+            sinks  # TensorBoardLog, MlflowLog, WandbLog: write_epoch(record), write_step(record), close(summary)
+        )
         self.workers: dict[int, dict] = {}
         self.starts_of_rank0 = 0
         self.checksums: dict[int, str] = {}

@@ -129,7 +129,8 @@ class TensorBoardLog:
         except Exception as err:  # a full disk must not end the run; the metrics are in the .jsonl files too
             log.warning("TensorBoard: could not write %s %s: %s", key, step, err)
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
+        """`summary` (the run's, as the other trackers take it) adds nothing to the event files."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
