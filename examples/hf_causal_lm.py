@@ -95,7 +95,12 @@ def write_stories(path: Path, lines: int, seed: int) -> None:
 def train_tokenizer(lines) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["[UNK]", "[EOS]"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        limit_alphabet=VOCAB_SIZE // 2,  # a text of many characters still gives ids below VOCAB_SIZE: the rest [UNK]
+        special_tokens=["[UNK]", "[EOS]"],
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(lines, trainer=trainer)
     return tokenizer
 
@@ -108,7 +113,9 @@ def build_datasets(config) -> dict:
         text_file = os.environ.get("HF_EXAMPLE_TEXT")
         if not text_file:
             text_file = os.path.join(scratch, "stories.txt")
-            write_stories(Path(text_file), lines=wanted * block // 20 + 1, seed=config.seed)  # 28 tokens a line
+            write_stories(
+                Path(text_file), lines=wanted * block // 16 + 1, seed=config.seed
+            )  # ~23 tokens a line: room for what map batches drop
         text = datasets.Dataset.from_text(text_file, cache_dir=scratch, keep_in_memory=True)
         tokenizer = train_tokenizer(text["text"])
         eos = tokenizer.token_to_id("[EOS]")
@@ -124,7 +131,9 @@ def build_datasets(config) -> dict:
         tokens = text.map(tokenise, batched=True, remove_columns=["text"], keep_in_memory=True)
         rows = tokens.map(blocks, batched=True, remove_columns=["ids"], keep_in_memory=True)
     if len(rows) < wanted:
-        raise ValueError(f"{text_file} gives {len(rows)} blocks of {block} tokens, fewer than {wanted} asked for")
+        raise ValueError(
+            f"{text_file} gives {len(rows)} blocks of {block} tokens, fewer than --train-size + --val-size = {wanted}"
+        )
     return {
         "train": to_ray(rows.select(range(config.train_size))),
         "val": to_ray(rows.select(range(config.train_size, wanted))),
