@@ -16,7 +16,9 @@ number of workers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -28,6 +30,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
+
+log = logging.getLogger("raytrain_ddp.worker")
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,16 +59,28 @@ def _counting_allreduce(counter: GradSyncCounter, bucket):  # no annotations: DD
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """What FSDP shards as one unit, before the root.
 
-    A model may say (``fsdp_units()``); otherwise each entry of a top-level
-    ModuleList (a transformer's layers), else each top-level child with
-    parameters. One unit = one all-gather in forward, one reduce-scatter in backward.
+    A model may say (``fsdp_units()``); otherwise, when a Hugging Face
+    ``transformers`` model is or is inside it, every module of a class listed
+    in its ``_no_split_modules`` (its blocks, which Accelerate and transformers'
+    own FSDP wrap too); else each entry of a top-level ModuleList (a
+    transformer's layers), else each top-level child with parameters. One
+    unit = one all-gather in forward, one reduce-scatter in backward.
     """
     if hasattr(model, "fsdp_units"):
         return list(model.fsdp_units())
+    block_classes = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
+    if block_classes:
+        return [module for module in model.modules() if type(module).__name__ in block_classes]
     layer_lists = [child for child in model.children() if isinstance(child, nn.ModuleList)]
     if layer_lists:
         return [layer for layers in layer_lists for layer in layers]
     return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def _count_classes(modules: list[nn.Module]) -> str:
+    """'2 x LlamaDecoderLayer, 1 x Linear': what a list of modules holds, by class, in order of appearance."""
+    counts = collections.Counter(type(module).__name__ for module in modules)
+    return ", ".join(f"{count} x {name}" for name, count in counts.items())
 
 
 def setup_device(config: TrainConfig, device: torch.device) -> None:
@@ -98,7 +114,9 @@ def distribute(model: nn.Module, config: TrainConfig, device: torch.device) -> t
         # format, and a convolution with a channels-last input runs channels-last.
         for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
             fully_shard(norm)  # fp32 weights beside fp32 running statistics (batch_norm takes one dtype)
-        for unit in fsdp_units(model):
+        units = fsdp_units(model)
+        log.info("FSDP units: %s, then the root", _count_classes(units) or "none")  # before FSDP renames them
+        for unit in units:
             fully_shard(unit, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         model.to(device)  # anything FSDP does not manage
