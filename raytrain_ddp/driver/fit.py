@@ -26,13 +26,13 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
-from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock
+from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock, tracker
 from raytrain_ddp.driver.failures import Trainer, describe_failure
-from raytrain_ddp.driver.mlflow_log import MlflowLog, require_mlflow
+from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
-from raytrain_ddp.driver.wandb_log import WandbLog, require_wandb
+from raytrain_ddp.driver.wandb_log import WandbLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
 from raytrain_ddp.errors import ConfigError, one_line
 from raytrain_ddp.files import write_atomic
@@ -298,9 +298,9 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
         plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
         start_state = _check_plan(config, plan, model_fn)
     if config.mlflow_uri:
-        require_mlflow()
+        tracker.require("mlflow", "--mlflow-uri", "mlflow", "MLflow")
     if config.wandb_project:
-        require_wandb()
+        tracker.require("wandb", "--wandb-project", "wandb", "the wandb package")
     dashboard_url = connect(config, plugins["import_roots"])
     stop_signal.take_back()
     if dataset_fn:

@@ -14,20 +14,11 @@ import time
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.tensorboard_log import epoch_scalars, step_scalars
 from raytrain_ddp.driver.tracker import QueuedTracker
-from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.redact import redact
 
 log = logging.getLogger("raytrain_ddp")
 
 EXPERIMENT = "raytrain-ddp"
-
-
-def require_mlflow() -> None:
-    """Fail before anything starts when --mlflow-uri is given without MLflow installed."""
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
-        raise ConfigError("--mlflow-uri needs MLflow: pip install 'raytrain-ddp[mlflow]'") from None
 
 
 class MlflowLog(QueuedTracker):

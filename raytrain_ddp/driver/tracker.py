@@ -5,15 +5,24 @@ CLOSE_WAIT_S for what is still queued."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
 import threading
 
-from raytrain_ddp.errors import one_line
+from raytrain_ddp.errors import ConfigError, one_line
 
 log = logging.getLogger("raytrain_ddp")
 
 CLOSE_WAIT_S = 60
+
+
+def require(package: str, flag: str, extra: str, label: str) -> None:
+    """Fail before anything starts when `flag` is given without its tracker's package installed."""
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(f"{flag} needs {label}: pip install 'raytrain-ddp[{extra}]'") from None
 
 
 class QueuedTracker:

@@ -18,21 +18,12 @@ from typing import Any
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.tensorboard_log import epoch_scalars, step_scalars
 from raytrain_ddp.driver.tracker import QueuedTracker
-from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
 
 log = logging.getLogger("raytrain_ddp")
 
 ID_FILE = "wandb-run-id"
-
-
-def require_wandb() -> None:
-    """Fail before anything starts when --wandb-project is given without wandb installed."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise ConfigError("--wandb-project needs the wandb package: pip install 'raytrain-ddp[wandb]'") from None
 
 
 def run_id(run_dir: Path) -> str:
