@@ -120,6 +120,23 @@ CASES = [
     ("data-missing", ["--data", "/no/such/dataset"], "/no/such/dataset"),
     ("empty-mlflow-uri", ["--mlflow-uri", ""], "--mlflow-uri must not be empty"),
     ("negative-log-every-steps", ["--log-every-steps", "-1"], "--log-every-steps must be at least 0, got -1"),
+    ("profile-steps-one-number", ["--profile-steps", "3"], "--profile-steps '3' is not A:B, two optimizer step"),
+    ("profile-steps-not-integers", ["--profile-steps", "a:b"], "--profile-steps 'a:b' is not A:B"),
+    ("profile-steps-fraction", ["--profile-steps", "1.5:3"], "--profile-steps '1.5:3' is not A:B"),
+    ("profile-steps-negative", ["--profile-steps=-2:3"], "--profile-steps '-2:3' is not A:B"),
+    ("profile-steps-from-zero", ["--profile-steps", "0:4"], "--profile-steps '0:4': steps count from 1, got 0"),
+    ("profile-steps-backwards", ["--profile-steps", "5:3"], "--profile-steps '5:3': the last step B must not come"),
+    (
+        "profile-steps-too-many",
+        ["--profile-steps", "1:1000"],
+        "--profile-steps '1:1000' asks for 1000 steps; at most 50",
+    ),
+    (
+        "profile-steps-huge",
+        ["--profile-steps", "5000000000:5000000001"],
+        "--profile-steps '5000000000:5000000001': steps must be at most 1e+09",
+    ),
+    ("profile-steps-empty", ["--profile-steps", ""], "--profile-steps must not be empty"),
 ]
 
 
