@@ -220,6 +220,14 @@ class TrainConfig:
             "record every N optimizer steps in RUN_DIR/steps.jsonl (loss over ranks, lr, samples/s); 0: off"
         ),
     )
+    profile_steps: str | None = field(
+        default=None,
+        metadata=_flag(
+            "record a torch.profiler trace of optimizer steps A to B (global step numbers, as in steps.jsonl) "
+            "on every rank, in RUN_DIR/profile/",
+            metavar="A:B",
+        ),
+    )
     tensorboard: bool = field(default=True, metadata=_flag("write TensorBoard event files to RUN_DIR/tensorboard/"))
     mlflow_uri: str | None = field(
         default=None,
@@ -265,6 +273,14 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.storage_path) / self.name
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile-steps as (first, last) optimizer step, both included; None when not profiling."""
+        if self.profile_steps is None:
+            return None
+        first, last = self.profile_steps.split(":")
+        return int(first), int(last)
 
     @property
     def uses_parquet(self) -> bool:
@@ -328,6 +344,7 @@ class TrainConfig:
                 )
         if self.loss is not None and not is_import_path(self.loss):
             raise ConfigError(f"--loss {self.loss!r} is not an import path like pkg.module:fn")
+        _check_profile_steps(self.profile_steps)
         if self.data and (self.train_data or self.val_data):
             raise ConfigError("give either --data DIR or --train-data/--val-data, not both")
         if bool(self.train_data) != bool(self.val_data):
@@ -412,6 +429,30 @@ def _check_wandb_names(project: str | None, entity: str | None) -> None:
             raise ConfigError(
                 f"{flag_name} {value!r} may not hold '/', '\\', '#', '?', '%', ':' or spaces (W&B's rule)"
             )
+
+
+MAX_STEP = 10**9
+MAX_PROFILE_STEPS = 50  # a trace of more steps is too big for a viewer to open (and for the run to write quickly)
+
+
+def _check_profile_steps(value: str | None) -> None:
+    if value is None:
+        return
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", value)
+    if not match:
+        raise ConfigError(f"--profile-steps {value!r} is not A:B, two optimizer step numbers such as 10:12")
+    first, last = int(match[1]), int(match[2])
+    if first < 1:
+        raise ConfigError(f"--profile-steps {value!r}: steps count from 1, got {first}")
+    if last < first:
+        raise ConfigError(f"--profile-steps {value!r}: the last step B must not come before the first A")
+    if last > MAX_STEP:
+        raise ConfigError(f"--profile-steps {value!r}: steps must be at most {MAX_STEP:g}")
+    if last - first + 1 > MAX_PROFILE_STEPS:
+        raise ConfigError(
+            f"--profile-steps {value!r} asks for {last - first + 1} steps; at most {MAX_PROFILE_STEPS} make a "
+            "trace a viewer can open"
+        )
 
 
 def is_import_path(text: str) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 from raytrain_ddp.errors import OneLineErrorParser, bad_input
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
+from raytrain_ddp.worker.profile import PROFILE_DIR, TOP_OPS_GLOB
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Run:
     config: dict | None  # None when config.toml is missing or unreadable
     notes: list[str]  # problems met while reading, shown on the page
     steps: list[dict]  # steps.jsonl's records (--log-every-steps), by step; [] when there are none
+    profiles: dict[int, dict]  # rank -> its profile/rank-N.top_ops.json (--profile-steps); {} when none
 
     @property
     def status(self) -> str:
@@ -107,9 +109,20 @@ def load_run(run_dir: Path | str) -> Run:
     config = _read_optional(
         run_dir / "config.toml", tomllib.loads, notes, "no configuration shown", "no configuration shown"
     )
+    profiles = _read_profiles(run_dir, notes)
     for note in notes:
         log.warning("%s: %s", run_dir, note)
-    return Run(run_dir, summary, epochs, config, notes, steps)
+    return Run(run_dir, summary, epochs, config, notes, steps, profiles)
+
+
+def _read_profiles(run_dir: Path, notes: list[str]) -> dict[int, dict]:
+    """Each rank's table of top operators (the traces themselves are too big to read here)."""
+    tables = {}
+    for path in sorted((run_dir / PROFILE_DIR).glob(TOP_OPS_GLOB)):
+        table = _read_optional(path, json.loads, notes, "that rank's operators are not shown", "")
+        if isinstance(table, dict) and isinstance(table.get("rank"), int) and isinstance(table.get("ops"), list):
+            tables[table["rank"]] = table
+    return dict(sorted(tables.items()))
 
 
 def _read_records(path: Path, key: str, notes: list[str]) -> list[dict]:
@@ -652,6 +665,46 @@ def _epochs_html(run: Run) -> str:
     )
 
 
+PROFILE_ROWS = 10  # operators shown per rank
+
+
+def _milliseconds(microseconds: Any) -> float | None:
+    number = _num(microseconds)
+    return None if number is None else number / 1000
+
+
+def _profile_html(run: Run) -> str:
+    """--profile-steps: each rank's operators that took most self time; nothing when the run has no profile."""
+    if not run.profiles:
+        return ""
+    tables = []
+    for rank, table in run.profiles.items():
+        on_gpu = any("self_device_us" in op for op in table["ops"])
+        columns = {"self_cpu_us": "self CPU (ms)", "cpu_total_us": "CPU total (ms)"}
+        if on_gpu:
+            columns["self_device_us"] = "self GPU (ms)"
+        rows = "".join(
+            f'<tr><td class="l mono">{_e(op.get("name"))}</td><td>{_fmt(op.get("calls"), ",.0f")}</td>'
+            + "".join(f"<td>{_fmt(_milliseconds(op.get(key)), ',.2f')}</td>" for key in columns)
+            + "</tr>"
+            for op in table["ops"][:PROFILE_ROWS]
+        )
+        steps = DASH.join(_e(step) for step in table.get("steps") or []) or DASH
+        tables.append(
+            f'<div data-rank="{_e(rank)}"><h3 class="sub">rank {_e(rank)} on {_e(table.get("device", DASH))}, '
+            f'optimizer steps {steps}</h3><div class="scroll"><table><thead><tr>'
+            f'<th class="l">operator</th><th>calls</th>{"".join(f"<th>{_e(c)}</th>" for c in columns.values())}'
+            "</tr></thead>"
+            f"<tbody>{rows}</tbody></table></div></div>"
+        )
+    return (
+        f'<section id="profile"><h2>Profile <span class="sub">top operators by self time per rank; each rank\'s '
+        f"whole trace: <code>{_e(run.run_dir / PROFILE_DIR)}/rank-N.trace.json</code> (open it in "
+        f"ui.perfetto.dev or chrome://tracing)</span></h2>"
+        f'<div class="config">{"".join(tables)}</div></section>'
+    )
+
+
 def _config_html(run: Run) -> str:
     if run.config is None:
         return '<section id="config"><h2>Configuration</h2><p class="sub">config.toml not available.</p></section>'
@@ -695,7 +748,8 @@ def render_html(run: Run, plots: list[Plot]) -> str:
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body><main>"
-        f"{_summary_html(run)}{_plots_html(plots)}{_workers_html(run)}{_epochs_html(run)}{_config_html(run)}"
+        f"{_summary_html(run)}{_plots_html(plots)}{_workers_html(run)}{_profile_html(run)}"
+        f"{_epochs_html(run)}{_config_html(run)}"
         f"<footer>Made by raytrain_ddp.report at {_e(made)} from {_e(run.run_dir)}</footer>"
         f"</main></body></html>\n"
     )

@@ -56,7 +56,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(
-                flag, type=kind, choices=f.metadata.get("choices"), metavar=f.name.upper(), help=help_text
+                flag,
+                type=kind,
+                choices=f.metadata.get("choices"),
+                metavar=f.metadata.get("metavar", f.name.upper()),
+                help=help_text,
             )
     return parser
 

@@ -36,8 +36,8 @@ def ray_address() -> str:
 def trained_run(ray_address, tmp_path_factory):
     """One short real run (2 workers, 2 epochs), trained once for every test that only reads its results.
 
-    It also logs to an MLflow file store, STORAGE/mlruns, to an offline W&B run in RUN_DIR/wandb/ and records every
-    4th step (test_observe reads them back).
+    It also logs to an MLflow file store, STORAGE/mlruns, to an offline W&B run in RUN_DIR/wandb/, records every
+    4th step and profiles steps 3 and 4 (test_observe reads them back).
     """
     from support import WANDB_OFFLINE
 
@@ -61,6 +61,7 @@ def trained_run(ray_address, tmp_path_factory):
                 mlflow_uri=f"file://{storage}/mlruns",
                 log_every_steps=4,  # 8 optimizer steps per epoch: steps.jsonl holds two records of each epoch
                 wandb_project="raytrain-tests",
+                profile_steps="3:4",  # a torch.profiler trace of two steps on each rank
             )
         )
     assert result.ok, result.summary.get("error")

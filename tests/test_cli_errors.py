@@ -134,6 +134,23 @@ CASES = [
         ["--wandb-project", "p", "--wandb-entity", "my team"],
         "--wandb-entity 'my team' may not hold '/'",
     ),
+    ("profile-steps-one-number", ["--profile-steps", "3"], "--profile-steps '3' is not A:B, two optimizer step"),
+    ("profile-steps-not-integers", ["--profile-steps", "a:b"], "--profile-steps 'a:b' is not A:B"),
+    ("profile-steps-fraction", ["--profile-steps", "1.5:3"], "--profile-steps '1.5:3' is not A:B"),
+    ("profile-steps-negative", ["--profile-steps=-2:3"], "--profile-steps '-2:3' is not A:B"),
+    ("profile-steps-from-zero", ["--profile-steps", "0:4"], "--profile-steps '0:4': steps count from 1, got 0"),
+    ("profile-steps-backwards", ["--profile-steps", "5:3"], "--profile-steps '5:3': the last step B must not come"),
+    (
+        "profile-steps-too-many",
+        ["--profile-steps", "1:1000"],
+        "--profile-steps '1:1000' asks for 1000 steps; at most 50",
+    ),
+    (
+        "profile-steps-huge",
+        ["--profile-steps", "5000000000:5000000001"],
+        "--profile-steps '5000000000:5000000001': steps must be at most 1e+09",
+    ),
+    ("profile-steps-empty", ["--profile-steps", ""], "--profile-steps must not be empty"),
 ]
 
 

@@ -28,6 +28,7 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
             name="slow",
             report=False,
             tensorboard=False,
+            profile_steps="19:22",  # the run has 20 optimizer steps: the window is cut by its end
         )
     )
     assert result.ok, result.summary["error"]
@@ -45,6 +46,11 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
     steps = [int(re.search(r"step (\d+)/20", line).group(1)) for line in progress]
     assert min(steps) < 20 and "samples/s" in progress[0]
     assert "straggler" in "\n".join(log_lines)
+    cut = [line for line in log_lines if "--profile-steps 19:22" in line]
+    assert len(cut) == 1 and "WARNING" in cut[0] and "ended after 20 optimizer steps" in cut[0] and "19-20" in cut[0]
+    for rank in (0, 1):  # what the window held was written when the loop ended
+        table = json.loads((result.run_dir / "profile" / f"rank-{rank}.top_ops.json").read_text())
+        assert table["steps"] == [19, 20] and table["ops"]
 
     # Ray's own logs stay off the console but are linked from the run directory; worker lines say who wrote them
     ray_logs = result.run_dir / "ray-logs"
@@ -111,3 +117,24 @@ def test_steps_jsonl_records_every_4th_step_and_its_windows_make_up_the_epochs(t
         assert epoch["train_loss"] == pytest.approx(sum(r["train_loss"] for r in windows) / 2, rel=1e-5)
         for rank, loss in enumerate(epoch["train_loss_per_rank"]):
             assert loss == pytest.approx(sum(r["train_loss_per_rank"][rank] for r in windows) / 2, rel=1e-5)
+
+
+def test_profile_steps_leave_a_trace_and_a_top_ops_table_per_rank(trained_run):
+    """conftest.trained_run profiles steps 3:4 (of 16): every rank's Chrome trace holds those two steps' markers."""
+    for rank in (0, 1):
+        trace = json.loads((trained_run / "profile" / f"rank-{rank}.trace.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert {"optimizer step 3", "optimizer step 4"} <= names and "optimizer step 5" not in names
+        assert "aten::convolution" in names  # the cnn's forward, recorded
+        table = json.loads((trained_run / "profile" / f"rank-{rank}.top_ops.json").read_text())
+        assert table["rank"] == rank and table["steps"] == [3, 4] and table["device"] == "cpu"
+        ops = table["ops"]
+        assert any(op["name"] in ("aten::mkldnn_convolution", "aten::convolution_backward") for op in ops)
+        assert [op["self_cpu_us"] for op in ops] == sorted((op["self_cpu_us"] for op in ops), reverse=True)
+        assert all(op["calls"] >= 1 and op["cpu_total_us"] >= op["self_cpu_us"] >= 0 for op in ops)
+    assert sorted(p.name for p in (trained_run / "profile").iterdir()) == [
+        "rank-0.top_ops.json",
+        "rank-0.trace.json",
+        "rank-1.top_ops.json",
+        "rank-1.trace.json",
+    ]

@@ -108,6 +108,20 @@ def test_page_is_self_contained_and_complete(report, trained_run):
     assert "train_size" in text and "1024" in text  # the configuration table
 
 
+def test_profile_section_lists_each_ranks_top_operators(report, trained_run):
+    """The shared run profiles steps 3:4: the page shows each rank's table, read from profile/rank-N.top_ops.json."""
+    page = report.read_text()
+    assert 'id="profile"' in page
+    section = page[page.index('id="profile"') : page.index('id="epochs"')]
+    for rank in (0, 1):
+        table = json.loads((trained_run / "profile" / f"rank-{rank}.top_ops.json").read_text())
+        block = section[section.index(f'data-rank="{rank}"') :]
+        assert "optimizer steps 3\u20134" in block[:300]
+        top = table["ops"][0]
+        assert top["name"] in block and f"{top['self_cpu_us'] / 1000:,.2f}" in block
+    assert str(trained_run / "profile") in section and "self GPU" not in section  # a CPU run
+
+
 def test_cli_prints_index_path(trained_run):
     result = run_cli("raytrain_ddp.report", str(trained_run), timeout=120)
     assert result.returncode == 0, result.stderr
@@ -160,7 +174,7 @@ def test_failed_run_with_no_epochs_gets_a_report(tmp_path, trained_run):
     page = write_report(run_dir).read_text()
     doc = parse(page)
     text = " ".join(" ".join(doc.text).split())
-    assert SECTION_IDS <= doc.ids and doc.plots == []
+    assert SECTION_IDS <= doc.ids and doc.plots == [] and "profile" not in doc.ids  # no --profile-steps
     assert "failed" in text and "RuntimeError: boom <b>not markup</b>" in text  # escaped, shown as text
     assert "failed before finishing any epoch" in text
     assert list(run_dir.joinpath("report").glob("*.png")) == []

@@ -43,6 +43,7 @@ from raytrain_ddp.report import write_report
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
 from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
+from raytrain_ddp.worker.profile import PROFILE_DIR
 
 log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
@@ -420,7 +421,30 @@ def _train(
             summary["seconds"],
             summary["best_checkpoint"],
         )
+        _warn_if_profile_cut(config, run_dir, recorder)
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
+
+
+def _warn_if_profile_cut(config: TrainConfig, run_dir: Path, recorder: RunRecorder) -> None:
+    """A finished run that ended before --profile-steps' last step: one line, the run stays finished."""
+    if (window := config.profile_window) is None:
+        return
+    first, last = window
+    steps = sum((record.get("optimizer_steps_per_rank") or [0])[0] for record in recorder.epochs.values())
+    if steps < first:
+        log.warning(
+            "--profile-steps %d:%d recorded nothing: the run ended after %d optimizer steps", first, last, steps
+        )
+    elif steps < last:
+        log.warning(
+            "--profile-steps %d:%d: the run ended after %d optimizer steps; %s holds steps %d-%d",
+            first,
+            last,
+            steps,
+            run_dir / PROFILE_DIR,
+            first,
+            steps,
+        )
 
 
 def _finish(config: TrainConfig, run_dir: Path, summary: dict, report: bool) -> None:

@@ -50,6 +50,7 @@ from raytrain_ddp.worker.metrics import (
     parameter_checksum,
     sync_buffers,
 )
+from raytrain_ddp.worker.profile import StepProfile
 from raytrain_ddp.worker.schedule import make_scheduler, resume_schedule, steps_per_epoch
 
 log = logging.getLogger("raytrain_ddp.worker")
@@ -256,6 +257,7 @@ class WorkerLoop:
             self.heartbeat.follow_compiles()
         self.trainer = Trainer(config, self.spec, device, plugins, world_size)
         self.feed = DeviceFeed(self.spec, device)
+        self.profile = StepProfile(config.profile_window, config.run_dir, self.rank, device)
         self.train_shard = ray.train.get_dataset_shard("train")
         self.val_shard = ray.train.get_dataset_shard("val")
         self.position = ckpt.Position()
@@ -304,6 +306,7 @@ class WorkerLoop:
         optimizer steps (see docs/gpu.md).
         """
         config, meter, trainer = self.config, run.meter, self.trainer
+        self.profile.step_begins(self.position.global_step + 1)
         meter.micro_batches_started += 1
         synchronise = micro_batch % config.grad_accum == 0 or is_last
         meter.add(trainer.micro_batch(batch, synchronise), len(batch["y"]))
@@ -319,6 +322,7 @@ class WorkerLoop:
         run.optimizer_steps += 1
         self.hooks.on_optimizer_step(self.rank, epoch, run.optimizer_steps)
         self.position.global_step += 1
+        self.profile.step_ended(self.position.global_step)
         if config.log_every_steps and self.position.global_step % config.log_every_steps == 0:
             meter.mark_step({"step": self.position.global_step, "epoch": epoch, "lr": lr}, trainer.grad_norm)
         return not is_last and self.between_steps(epoch, run)  # after the last step: the epoch's own checkpoint
@@ -464,17 +468,20 @@ class WorkerLoop:
 def train_loop_per_worker(loop_config: dict) -> None:
     worker = WorkerLoop(loop_config)
     position = worker.resume()
-    for epoch in range(position.epoch + 1, worker.config.epochs + 1):  # epochs count from 1
-        run = worker.train_epoch(epoch)
-        if run.stop_reason:
-            worker.stop_checkpoint(epoch, run)
-            return
-        val_metrics = worker.validate(epoch, run)
-        worker.report_epoch(epoch, run, val_metrics)
-        worker.checkpoint(epoch, run, val_metrics)
-        if epoch < worker.config.epochs and worker.stop_agreed():
-            log.info(
-                "stopping after epoch %d: %s", epoch, worker.heartbeat.stop_reason or "another rank was asked to stop"
-            )
-            return
+    with worker.profile:  # a --profile-steps window the run ends inside is written on the way out
+        for epoch in range(position.epoch + 1, worker.config.epochs + 1):  # epochs count from 1
+            run = worker.train_epoch(epoch)
+            if run.stop_reason:
+                worker.stop_checkpoint(epoch, run)
+                return
+            val_metrics = worker.validate(epoch, run)
+            worker.report_epoch(epoch, run, val_metrics)
+            worker.checkpoint(epoch, run, val_metrics)
+            if epoch < worker.config.epochs and worker.stop_agreed():
+                log.info(
+                    "stopping after epoch %d: %s",
+                    epoch,
+                    worker.heartbeat.stop_reason or "another rank was asked to stop",
+                )
+                return
     worker.finish()
