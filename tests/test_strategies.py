@@ -203,3 +203,31 @@ def test_model_flops_are_three_forwards_and_change_nothing():
     assert model.training and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert peak_tflops(torch.device("cpu"), None) is None and peak_tflops(torch.device("cpu"), 3.5) == 3.5
+
+
+def test_fsdp_units_are_the_outermost_listed_blocks_or_the_layer_list():
+    """`_no_split_modules` (as transformers models publish it): a listed class inside a listed block is part of
+    that block's unit, not a unit of its own (FSDP shards bottom-up); names that match nothing fall through."""
+    from torch import nn
+
+    from raytrain_ddp.worker.strategy import fsdp_units
+
+    class Mlp(nn.Sequential):
+        pass
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = Mlp(nn.Linear(4, 4))
+
+    class Model(nn.Module):
+        _no_split_modules = ["Block", "Mlp"]
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+    model = Model()
+    assert fsdp_units(model) == list(model.layers)
+    Model._no_split_modules = ["NoSuchBlock"]
+    assert fsdp_units(model) == list(model.layers)

@@ -136,3 +136,14 @@ def test_fsdp_validation_reads_its_batches_as_it_runs_them():
     scored = evaluate(Probe(), batches(), default_loss, torch.device("cpu"), lockstep=(padding, 5))
     assert len(ahead) == 5 and max(ahead[:3]) == 0  # 3 batches read one at a time, then 2 paddings
     assert scored["val_rows"] == 6 and scored["val_accuracy"] == 1.0
+
+
+def test_device_feed_ahead_keeps_order_and_the_last_batch():
+    import torch
+
+    from raytrain_ddp.data.pipeline import DeviceFeed
+
+    feed = DeviceFeed(None, "cpu")
+    batches = [{"x": torch.full((2,), float(i)), "y": torch.tensor([i])} for i in range(3)]
+    assert [int(b["y"]) for b in feed.ahead(iter(batches))] == [0, 1, 2]
+    assert list(feed.ahead(iter([]))) == []

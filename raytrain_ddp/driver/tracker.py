@@ -5,6 +5,7 @@ CLOSE_WAIT_S for what is still queued."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import queue
@@ -39,12 +40,17 @@ class QueuedTracker:
         self._thread.start()
 
     def _loop(self) -> None:
+        opened = False
         try:
             self._open()
+            opened = True
             while (item := self._queue.get())[0] != "close":
                 self._write(*item)
             self._close(item[1])
         except Exception as err:  # the server, the network, a credential: the training goes on
+            if opened:  # end the tracker's run (W&B's would stay live in a notebook, MLflow's RUNNING)
+                with contextlib.suppress(Exception):
+                    self._close(None)
             log.error(
                 "%s at %s failed (%s: %s): the run goes on without %s",
                 self.label,

@@ -101,6 +101,6 @@ class WandbLog(QueuedTracker):
                     **{key: value for key, value in best.items() if isinstance(value, (int, float))},
                 }
             )
-        if status == "stopped":  # it resumes when run again (a requeued Slurm job)
+        if status in ("stopped", "interrupted"):  # it resumes when run again (a requeued Slurm job, a Ctrl-C)
             self._wandb.mark_preempting()
         self._wandb.finish(exit_code=0 if status == "finished" else 1)

@@ -59,7 +59,7 @@ class EpochMeter:
         norm = (
             self._sums.new_zeros(2)
             if grad_norm is None
-            else F.pad(grad_norm.detach().float().view(1), (0, 1), value=1.0)
+            else F.pad(grad_norm.detach().float().view(1).to(self._sums.device), (0, 1), value=1.0)
         )
         self._marks.append((record, torch.cat([self._sums, norm]), self.samples, time.perf_counter()))
 

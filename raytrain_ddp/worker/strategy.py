@@ -69,8 +69,10 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     if hasattr(model, "fsdp_units"):
         return list(model.fsdp_units())
     block_classes = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
-    if block_classes:
-        return [module for module in model.modules() if type(module).__name__ in block_classes]
+    blocks = [module for module in model.modules() if type(module).__name__ in block_classes]
+    inside = {id(sub) for block in blocks for sub in block.modules() if sub is not block}
+    if outermost := [block for block in blocks if id(block) not in inside]:  # a listed class inside a block: not a unit
+        return outermost
     layer_lists = [child for child in model.children() if isinstance(child, nn.ModuleList)]
     if layer_lists:
         return [layer for layers in layer_lists for layer in layers]
