@@ -87,7 +87,9 @@ QUICK = Sizes(  # the smallest that still has a steady-state window (micro-batch
     train_size=1024, val_size=64, epochs=2, batch_size=16, repeats=1, ingest_rows=8192, ingest_epochs=5, loader_cpus=2
 )
 # every part runs once, on the least data that still has a window: a check, not a measurement
-SMOKE = dataclasses.replace(QUICK, train_size=512, val_size=32, ingest_rows=4096, parquet_pair=False)
+SMOKE = dataclasses.replace(
+    QUICK, train_size=512, val_size=32, ingest_rows=4096, ingest_epochs=8, parquet_pair=False
+)  # 8 passes: a window that two consumers started apart on a loaded machine still share
 FULL = Sizes(
     train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_rows=32768, ingest_epochs=8, loader_cpus=2
 )
