@@ -145,5 +145,5 @@ def test_device_feed_ahead_keeps_order_and_the_last_batch():
 
     feed = DeviceFeed(None, "cpu")
     batches = [{"x": torch.full((2,), float(i)), "y": torch.tensor([i])} for i in range(3)]
-    assert [int(b["y"]) for b in feed.ahead(iter(batches))] == [0, 1, 2]
+    assert [(int(b["y"]), last) for b, last in feed.ahead(iter(batches))] == [(0, False), (1, False), (2, True)]
     assert list(feed.ahead(iter([]))) == []

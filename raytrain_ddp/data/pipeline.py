@@ -633,16 +633,17 @@ class DeviceFeed:
                 moved["x"] = normalise_images(moved["x"], self.spec)
             return moved, stream.record_event() if stream is not None else None
 
-    def ahead(self, batches: Iterable[dict]) -> Iterator[dict]:
-        """The batches on the device, each one's copy started while the one before it computes."""
+    def ahead(self, batches: Iterable[dict]) -> Iterator[tuple[dict, bool]]:
+        """(device batch, is_last) pairs, each batch's copy started (and the next batch fetched) before the one
+        before it is handed out to compute."""
         sent = None
         for batch in batches:
             following = self.send(batch)
             if sent is not None:
-                yield self.receive(sent)
+                yield self.receive(sent), False
             sent = following
         if sent is not None:
-            yield self.receive(sent)
+            yield self.receive(sent), True
 
     def receive(self, sent: tuple[dict, object]) -> dict:
         batch, copied = sent
@@ -768,9 +769,9 @@ class ValShard:
 
 
 def val_rows_per_rank(unit_rows: Sequence[int], world_size: int) -> tuple[int, ...]:
-    return tuple(
-        sum(stop - start for _, start, stop in val_pieces(unit_rows, r, world_size)) for r in range(world_size)
-    )
+    """The rows `val_pieces` gives each rank."""
+    rows = sum(unit_rows)
+    return tuple((r + 1) * rows // world_size - r * rows // world_size for r in range(world_size))
 
 
 def val_batches(shard: ValShard | ray.data.DataIterator, batch_size: int) -> tuple[Iterable[dict], int | None]:

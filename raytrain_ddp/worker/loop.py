@@ -99,20 +99,19 @@ def fed_batches(
     batch lets a gradient-accumulation group that the epoch cuts short still
     end with a synchronising step.
     """
-    iterator = iter(batches)
 
-    def fetch():
-        waited_from = time.perf_counter()
-        hooks.on_fetch(rank)
-        batch = next(iterator, None)
-        meter.data_wait_s += time.perf_counter() - waited_from
-        return None if batch is None else feed.send(batch)
+    def timed() -> Iterator[dict]:
+        iterator = iter(batches)
+        while True:
+            waited_from = time.perf_counter()
+            hooks.on_fetch(rank)
+            batch = next(iterator, None)
+            meter.data_wait_s += time.perf_counter() - waited_from
+            if batch is None:
+                return
+            yield batch
 
-    sent = fetch()
-    while sent is not None:
-        following = fetch()
-        yield feed.receive(sent), following is None
-        sent = following
+    return feed.ahead(timed())
 
 
 @dataclass
@@ -401,7 +400,7 @@ class WorkerLoop:
         with strategy.autocast(config, self.device):  # the precision training ran in (evaluate.py does the same)
             return evaluate(
                 model if fsdp else strategy.unwrap(model),
-                self.feed.ahead(batches),
+                (batch for batch, _ in self.feed.ahead(batches)),
                 self.trainer.loss_fn,
                 self.device,
                 lockstep=lockstep,
