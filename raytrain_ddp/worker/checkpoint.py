@@ -10,6 +10,8 @@ The file holds only tensors and plain Python values, so it loads with
 * ``epoch``: epochs completed (counting from 1); ``step_in_epoch``: optimizer
   steps already taken in the next epoch when the run was stopped mid-epoch
   (0 at an epoch boundary); ``global_step``: optimizer steps so far;
+  ``earlier_parts``: [world size, optimizer steps] of that epoch's parts trained
+  at other world sizes before a resize (empty but after one; absent in old files);
 * ``rng``: torch's random state (the same on every rank: all were seeded alike);
 * ``metrics``, ``config``, ``data_spec``: what it scored and what produced it.
 """
@@ -34,6 +36,8 @@ class Position:
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # optimizer steps done in epoch `epoch + 1`
     global_step: int = 0
+    # (world size, optimizer steps) of epoch `epoch + 1`'s parts trained before the world size changed
+    earlier_parts: tuple[tuple[int, int], ...] = ()
 
 
 def save(
@@ -57,6 +61,7 @@ def save(
         "epoch": position.epoch,
         "step_in_epoch": position.step_in_epoch,
         "global_step": position.global_step,
+        "earlier_parts": [list(part) for part in position.earlier_parts],
         "rng": {"torch": torch.get_rng_state()},
         "metrics": metrics,
         **run_info,
@@ -84,7 +89,8 @@ def load(checkpoint: Checkpoint) -> dict:
 
 
 def position_of(state: dict) -> Position:
-    return Position(state["epoch"], state["step_in_epoch"], state["global_step"])
+    earlier = tuple((int(world_size), int(steps)) for world_size, steps in state.get("earlier_parts", ()))
+    return Position(state["epoch"], state["step_in_epoch"], state["global_step"], earlier)
 
 
 def scratch_dir() -> tempfile.TemporaryDirectory:
