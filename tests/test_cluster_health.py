@@ -65,9 +65,16 @@ def test_the_plan_carries_the_check_timeout():
 
 
 def test_nodes_the_run_failed_on_come_from_the_summary():
-    summary = {"lost_nodes": [{"hostname": "n2.cluster.local", "node_ip": "10.0.0.2"}], "stuck_nodes": ["n3"]}
-    assert health.nodes_the_run_failed_on(summary, NODES) == ["n2", "n3"]
-    assert health.nodes_the_run_failed_on({"lost_nodes": [{"hostname": "elsewhere"}]}, NODES) == []
+    lost = {"lost_nodes": [{"hostname": "n2.cluster.local", "node_ip": "10.0.0.2"}], "stuck_nodes": ["n3"]}
+    assert health.nodes_the_run_failed_on({**lost, "error": "lost node n2 (...) after 1 epoch(s)"}, NODES) == [
+        "n2",
+        "n3",
+    ]
+    assert health.nodes_the_run_failed_on({"stuck_nodes": ["n3"], "error": "watchdog: no rank ..."}, NODES) == ["n3"]
+    # a failure of the run's own (it would fail on any node) names no node, whatever else the summary holds
+    assert health.nodes_the_run_failed_on({**lost, "error": "non-finite loss at step 3"}, NODES) == []
+    lost_elsewhere = {"lost_nodes": [{"hostname": "elsewhere"}], "error": "lost node elsewhere"}
+    assert health.nodes_the_run_failed_on(lost_elsewhere, NODES) == []
     assert health.nodes_the_run_failed_on({}, NODES) == []
 
 

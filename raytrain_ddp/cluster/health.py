@@ -63,8 +63,11 @@ def _weight(node: str, pairs: Mapping[tuple[str, str], str], nodes: list[str]) -
 
 
 def nodes_the_run_failed_on(summary: Mapping, nodes: list[str]) -> list[str]:
-    """The job's nodes a failed run names in its summary: lost nodes, and nodes of ranks the watchdog ended
-    as stuck (summary.json's lost_nodes / stuck_nodes; Ray's host names may carry a domain)."""
+    """The job's nodes a run failed on, from its summary: the lost nodes when a lost node ended it, the
+    nodes of the ranks the watchdog ended when a hang did (lost_nodes / stuck_nodes; Ray's host names may
+    carry a domain). None for any other failure: a NaN or a bad flag fails on every node alike."""
+    if not str(summary.get("error") or "").startswith(("lost node ", "watchdog: ")):
+        return []
     named = [n.get("hostname", "") for n in summary.get("lost_nodes") or []]
     named += list(summary.get("stuck_nodes") or [])
     short = {str(h).split(".")[0] for h in named if h}
