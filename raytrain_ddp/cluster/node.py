@@ -410,6 +410,8 @@ def network_check(plan: JobPlan, index: int, ip: str, terms: list[float]) -> boo
     try:
         with ThreadPoolExecutor(len(peers)) as pool:
             results = dict(zip(peers, pool.map(check, peers)))
+        if (job_dir / "stop").exists():  # the launcher gave up on another node: nothing to report
+            return False
         failed = {plan.nodes[i]: why for i, why in results.items() if why}
         for peer, why in failed.items():
             log.info("network check: cannot reach %s: %s", peer, why)
