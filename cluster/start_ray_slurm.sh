@@ -38,6 +38,7 @@
 #   RAYTRAIN_TMPDIR          base of Ray's per-job temp dir on each node (default /tmp; keep it short)
 #   RAYTRAIN_JOB_DIR_BASE    shared, private dir for the job's auth token (default ~/.raytrain)
 #   RAYTRAIN_JOIN_TIMEOUT    seconds to wait for all nodes to join (default 180)
+#   RAYTRAIN_NETCHECK_TIMEOUT_S  seconds for the nodes' network check before Ray starts (default 30, 0: none)
 #   RAYTRAIN_STOP_GRACE_S    seconds the trainer gets to checkpoint after a TERM (default 60)
 #   RAYTRAIN_STOP_BEFORE_END_S  checkpoint and requeue this long before the time limit, USR1 or not (default 300)
 #   RAYTRAIN_DASHBOARD       1/0: start the Ray dashboard on the head (default 1)

@@ -99,6 +99,8 @@ def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray
     assert verdict.startswith("no rank made progress for 8s; last seen: rank 1 on ")
     assert ": validating (2 batches done), epoch 2 step " in verdict
     assert "rank 0 on " in verdict  # ...and the others are listed with where they wait
+    # the node of the rank it ended, for the Slurm launcher's exclusion
+    assert result.summary["stuck_nodes"] == [w["hostname"] for w in result.summary["workers"] if w["rank"] == 1]
     assert result.summary["error"].startswith("watchdog: ")
     assert elapsed < 200  # the collective timeout alone would take 900 s
 

@@ -8,13 +8,16 @@ on TERM, INT or any exit it stops exactly this node's Ray processes and removes 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from raytrain_ddp.cluster.paths import UnsafePath, private_dir, remove_own_dir
@@ -294,6 +297,10 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
     if mismatch:
         raise LaunchError(mismatch, 1)
     Path(plan.job_dir, f"node.{index}").write_text(f"{plan.nodes[index]} {host} {ip}\n")
+    if plan.netcheck_timeout_s and len(plan.nodes) > 1 and not network_check(plan, index, ip, terms):
+        return 0  # the launcher ends the job: this node's Ray is not started
+    if role == "worker":
+        wait_for_gcs(plan)
 
     env = dict(os.environ)  # the Train view needs nothing of `ray start`: the trainer turns on state tracking
     env["RAYTRAIN_RAY_TAG"] = tag  # only in Ray's environment, so the sweep finds Ray's processes, never this one
@@ -330,3 +337,101 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         time.sleep(1)
     log.info("ray (%s) exited with code %d", role, ray.returncode)
     return ray.returncode
+
+
+# ------------------------------------------------------------------ the network check
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all: the launcher and the other nodes read it as soon as it exists."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
+def _echo(server: socket.socket, done: threading.Event) -> None:
+    while not done.is_set():
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        with conn:
+            try:
+                conn.settimeout(5)
+                conn.sendall(conn.recv(256))
+            except OSError:
+                pass
+
+
+def _reach(addr: str, port: int, me: str, deadline: float) -> str | None:
+    """None when `addr:port` answers `me`'s bytes with the same bytes before `deadline`, else why not."""
+    why = "no attempt"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=max(deadline - time.monotonic(), 0.1)) as s:
+                s.settimeout(max(deadline - time.monotonic(), 0.1))
+                s.sendall(me.encode())
+                if s.recv(256) == me.encode():
+                    return None
+                why = "a wrong answer"
+        except OSError as err:
+            why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        time.sleep(0.5)
+    return f"{addr}:{port}: {why}"
+
+
+def network_check(plan: JobPlan, index: int, ip: str, terms: list[float]) -> bool:
+    """This node's part of the job's network check; True once the launcher says every node passed.
+
+    It listens on a port of the dynamic range (where NCCL and gloo listen) on its Ray address, and
+    connects to every other node's (addresses through the shared job dir), exchanging a few bytes,
+    all within plan.netcheck_timeout_s; what failed goes to netcheck.INDEX.json for the launcher's
+    verdict (raytrain_ddp.cluster.health.blame). Until then it keeps answering slower peers."""
+    job_dir, me = Path(plan.job_dir), plan.nodes[index]
+    deadline = time.monotonic() + plan.netcheck_timeout_s
+    server = socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else socket.AF_INET)
+    server.settimeout(0.5)
+    done = threading.Event()
+    threading.Thread(target=_echo, args=(server, done), daemon=True).start()
+    _write(job_dir / f"netcheck.{index}.addr", f"{ip} {server.getsockname()[1]}\n")
+
+    def check(peer: int) -> str | None:
+        addr_file = job_dir / f"netcheck.{peer}.addr"
+        while not addr_file.exists():
+            if (job_dir / "stop").exists():  # the launcher gave up (that node's step failed)
+                return "the job stops"
+            if time.monotonic() > deadline:
+                return f"its check did not start within {plan.netcheck_timeout_s:g}s"
+            time.sleep(0.2)
+        addr, port = addr_file.read_text().split()
+        return _reach(addr, int(port), me, deadline)
+
+    peers = [i for i in range(len(plan.nodes)) if i != index]
+    try:
+        with ThreadPoolExecutor(len(peers)) as pool:
+            results = dict(zip(peers, pool.map(check, peers)))
+        if (job_dir / "stop").exists():  # the launcher gave up on another node: nothing to report
+            return False
+        failed = {plan.nodes[i]: why for i, why in results.items() if why}
+        for peer, why in failed.items():
+            log.info("network check: cannot reach %s: %s", peer, why)
+        _write(job_dir / f"netcheck.{index}.json", json.dumps(failed))
+        while not (job_dir / "netcheck.ok").exists():
+            if (job_dir / "stop").exists() or (terms and time.monotonic() > terms[0] + 10):
+                return False
+            time.sleep(0.2)
+        return True
+    finally:
+        done.set()
+        server.close()
+
+
+def wait_for_gcs(plan: JobPlan) -> None:
+    """A worker's `ray start` only once the head's GCS listens (the nodes' steps start together)."""
+    deadline = time.monotonic() + float(os.environ.get("RAYTRAIN_HEAD_TIMEOUT", "120"))
+    while time.monotonic() < deadline and not (Path(plan.job_dir) / "stop").exists():
+        try:
+            socket.create_connection((plan.head_ip, plan.ports.gcs), 1).close()
+            return
+        except OSError:
+            time.sleep(0.5)

@@ -12,6 +12,8 @@ import json
 import re
 from collections.abc import Mapping
 
+from raytrain_ddp.cluster.health import netcheck_timeout
+
 EXIT_BRINGUP = 3  # the Ray cluster could not be brought up (the log says which node and why)
 
 # Per-job ports: a block of 4 (GCS, dashboard, Ray client server, dashboard agent HTTP) at
@@ -283,6 +285,7 @@ class JobPlan:
     python: str
     dashboard: bool
     module: str = "raytrain_ddp.run"
+    netcheck_timeout_s: float = 0.0  # the nodes' network check before Ray starts (0: none)
 
     @property
     def head(self) -> str:
@@ -339,4 +342,5 @@ def job_plan(
         python=python,
         dashboard=env.get("RAYTRAIN_DASHBOARD", "1") == "1",
         module=env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run",
+        netcheck_timeout_s=netcheck_timeout(env),
     )

@@ -3,14 +3,16 @@
 The batch part of cluster/start_ray_slurm.sh (which `exec`s this, so Slurm's USR1 reaches Python
 directly). On the job's first node: plan the cluster from Slurm's environment (raytrain_ddp.cluster.plan),
 start a Ray head here and one Ray worker per other node (one background `srun` step per node, running
-raytrain_ddp.cluster.node), wait until every node has joined, run the trainer against it, forward
-USR1 to the trainer, stop exactly this job's Ray processes however the job ends, and requeue the job
-when the trainer stopped after a checkpoint on USR1. The exit code is the trainer's; 3 means the Ray
-cluster could not be brought up.
+raytrain_ddp.cluster.node; each first checks its network to the others), wait until every node has
+joined, run the trainer against it, forward USR1 to the trainer, stop exactly this job's Ray processes
+however the job ends, and requeue the job when the trainer stopped after a checkpoint on USR1, or
+without the node(s) a failed network check or a failed run names (raytrain_ddp.cluster.health). The
+exit code is the trainer's; 3 means the Ray cluster could not be brought up.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -23,6 +25,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from raytrain_ddp.cluster import health
 from raytrain_ddp.cluster import plan as planning
 from raytrain_ddp.cluster.node import (
     LaunchError,
@@ -84,6 +87,7 @@ class Launcher:
         self.term_at = 0.0
         self.pending: list[int] = []  # stop signals the trainer has not been sent yet
         self.requeue = False
+        self.exclude: list[str] = []  # nodes the requeued job must not get again
         self.plan: JobPlan | None = None
         self.name = ""
 
@@ -194,15 +198,18 @@ class Launcher:
             raise LaunchError(str(err), EXIT_BRINGUP) from None
         job_id = int(env["SLURM_JOB_ID"])
         ports = free_port_block(job_id, nodes[0])
-        plan = self.plan = planning.job_plan(
-            env,
-            nodes,
-            head_ip=head_ip,
-            ports=ports,
-            python=sys.executable,
-            home=str(Path.home()),
-            fallback_cpus=os.cpu_count() or 1,
-        )
+        try:
+            plan = self.plan = planning.job_plan(
+                env,
+                nodes,
+                head_ip=head_ip,
+                ports=ports,
+                python=sys.executable,
+                home=str(Path.home()),
+                fallback_cpus=os.cpu_count() or 1,
+            )
+        except ValueError as err:
+            raise LaunchError(str(err), EXIT_BAD_INPUT) from None
         if ports != plan.derived_ports:
             log.info("derived port block %d was busy; using port block %d", plan.derived_ports.gcs, ports.gcs)
 
@@ -293,12 +300,15 @@ class Launcher:
                 f"{err}; remove it or set RAYTRAIN_JOB_DIR_BASE to a directory of yours", EXIT_BRINGUP
             ) from None
 
+        # All nodes' steps at once: their network check first; the workers' `ray start` waits for the head.
         log.info("starting Ray head on %s", plan.head)
         self.start_node(0)
-        self.wait_for_head(float(os.environ.get("RAYTRAIN_HEAD_TIMEOUT", "120")))
         for i in range(1, len(plan.nodes)):
             log.info("starting Ray worker on %s", plan.nodes[i])
             self.start_node(i)
+        if plan.netcheck_timeout_s and len(plan.nodes) > 1:
+            self.check_network(plan.netcheck_timeout_s)
+        self.wait_for_head(float(os.environ.get("RAYTRAIN_HEAD_TIMEOUT", "120")))
         cluster_cpus, cluster_gpus = self.wait_for_nodes(float(os.environ.get("RAYTRAIN_JOIN_TIMEOUT", "180")))
         log.info("cluster resources: %d CPUs, %d GPUs", cluster_cpus, cluster_gpus)
         if plan.dashboard:
@@ -325,10 +335,55 @@ class Launcher:
         rc = self.wait_for_trainer()
         self.trainer = None
         log.info("trainer exited with code %d; run directory: %s", rc, self.run_dir(chosen))
+        failed_on = health.nodes_the_run_failed_on(self.summary(chosen), plan.nodes) if rc != 0 else []
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
+        elif rc == 1 and failed_on:
+            log.info(
+                "the run failed on %s: requeueing the job without it once Ray is stopped; it resumes from the "
+                "latest checkpoint",
+                ", ".join(failed_on),
+            )
+            self.requeue = True
+        self.exclude += failed_on if self.requeue else []
         return rc
+
+    def summary(self, chosen: dict) -> dict:
+        try:
+            return json.loads(Path(self.run_dir(chosen), "summary.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def check_network(self, timeout: float) -> None:
+        """Every node reaches every other (raytrain_ddp.cluster.node.network_check) within `timeout`, or
+        LaunchError naming the node(s) whose network does not work, and the job requeued without them."""
+        plan, job_dir = self.plan, Path(self.plan.job_dir)
+        log.info(
+            "network check: every node connects to every other within %.0fs (RAYTRAIN_NETCHECK_TIMEOUT_S)", timeout
+        )
+        deadline = time.monotonic() + timeout + 60  # the nodes' steps start (srun, python) before their check
+        reports: dict[str, dict | None] = {}
+        while len(reports) < len(plan.nodes) and time.monotonic() < deadline:
+            for i, node in enumerate(plan.nodes):
+                if node not in reports and Path(job_dir, f"netcheck.{i}.json").exists():
+                    reports[node] = json.loads(Path(job_dir, f"netcheck.{i}.json").read_text())
+                elif node not in reports and self.steps[i].poll() is not None:
+                    raise LaunchError(
+                        self.node_error(i) or f"the step on {node} exited before its network check (see its lines)",
+                        EXIT_BRINGUP,
+                    )
+            time.sleep(0.2)
+        bad, reasons = health.blame(plan.nodes, reports)
+        if bad:
+            self.requeue, self.exclude = True, bad
+            named = "; ".join(f"{n} ({why})" for n, why in zip(bad, reasons))
+            raise LaunchError(
+                f"network check failed: {named}; requeueing the job without {'it' if len(bad) == 1 else 'them'}",
+                EXIT_BRINGUP,
+            )
+        Path(job_dir, "netcheck.ok").touch()
+        log.info("network check passed: all %d node(s) reach each other", len(plan.nodes))
 
     def run_dir(self, chosen: dict) -> str:
         where = planning.run_location(
@@ -520,8 +575,11 @@ class Launcher:
             log.info("cleanup done: no Ray process of job %d left on %s; exit code %d", plan.job_id, plan.head, rc)
 
     def requeue_job(self) -> bool:
-        """Only once Ray is stopped on every node: requeueing ends this job at once."""
+        """Only once Ray is stopped on every node: requeueing ends this job at once (its TERM is ignored by
+        now: cleanup), so an exclusion goes on while it is held, pending, and then it is released."""
         plan = self.plan
+        if self.exclude:
+            return self.requeue_without(self.exclude)
         if subprocess.run(["scontrol", "requeue", str(plan.job_id)]).returncode == 0:
             log.info(
                 "requeued job %d (restart %d): it resumes run %s from its checkpoint",
@@ -531,6 +589,35 @@ class Launcher:
             )
             return True
         log.error("scontrol requeue %d failed; submit the same command again to resume run %s", plan.job_id, self.name)
+        return False
+
+    def requeue_without(self, bad: list[str]) -> bool:
+        job = str(self.plan.job_id)
+        if subprocess.run(["scontrol", "requeuehold", job]).returncode != 0:
+            log.error("scontrol requeuehold %s failed; submit again with --exclude=%s", job, ",".join(bad))
+            return False
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        excluded = health.job_field(shown, "ExcNodeList")
+        if excluded:
+            excluded = subprocess.run(
+                ["scontrol", "show", "hostnames", excluded], capture_output=True, text=True
+            ).stdout
+        merged = ",".join(health.merged_exclusion(excluded.split(), bad))
+        updated = subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={merged}"]).returncode == 0
+        released = subprocess.run(["scontrol", "release", job]).returncode == 0
+        if updated and released:
+            log.info(
+                "requeued job %s (restart %d) without %s (ExcNodeList=%s): it resumes run %s on other nodes",
+                job,
+                self.plan.restart_count + 1,
+                ", ".join(bad),
+                merged,
+                self.name,
+            )
+            return True
+        log.error(
+            "excluding %s from requeued job %s failed (see above); it stays held: scontrol release %s", merged, job, job
+        )
         return False
 
 
@@ -568,6 +655,6 @@ def main(argv: list[str], prog: str = "python -m raytrain_ddp.cluster slurm") ->
         rc = err.code
     except Stop as stopped:
         rc = stopped.code
-    if launcher.requeue and launcher.requeue_job():
+    if launcher.requeue and launcher.requeue_job() and not launcher.exclude:
         return 0  # not a failure: the job runs again
     return rc

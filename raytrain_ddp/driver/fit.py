@@ -514,6 +514,7 @@ def _summary(
         "workers": [recorder.workers[rank] for rank in sorted(recorder.workers)],
         "restarts": recorder.restarts,
         "hangs": recorder.hangs,
+        "stuck_nodes": recorder.liveness.stuck_nodes,
         "lost_nodes": recorder.lost_nodes,
         "final_metrics": epochs[-1] if epochs else None,
         "best_checkpoint": best_checkpoint,

@@ -35,6 +35,7 @@ class Liveness:
         self.positions: dict[int, dict] = {}  # rank -> its latest heartbeat, with "position" and "moved_at"
         self.last_news = time.monotonic()  # when any rank last said it was moving
         self.hangs: list[str] = []  # the watchdog's verdicts
+        self.stuck_nodes: list[str] = []  # host names of the ranks it ended (the Slurm launcher excludes them)
 
     def heard(self) -> None:
         """News that is not a heartbeat (a rank started, finished an epoch): the run is moving."""

@@ -58,6 +58,7 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
         worker["pid"],
         worker["hostname"],
     )
+    liveness.stuck_nodes.append(worker["hostname"])
     on_its_node = NodeAffinitySchedulingStrategy(worker["node_id"], soft=False)
     ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
 

@@ -70,12 +70,12 @@ class Testbed:
         d.mkdir(parents=True)
         return d
 
-    def submit(self, wd: Path, sbatch_args: list[str], script_args: list[str]) -> int:
+    def submit(self, wd: Path, sbatch_args: list[str], script_args: list[str], **env: str) -> int:
         """Submit start_ray_slurm.sh without waiting (the job's log: wd/job.out); returns the job id."""
         sub = subprocess.run(
             ["sbatch", "--parsable", "--output", str(wd / "job.out"), *sbatch_args, str(SCRIPT), *script_args],
             cwd=wd,
-            env=self.env(),
+            env=self.env(**env),
             capture_output=True,
             text=True,
             timeout=60,

@@ -48,10 +48,11 @@ def kill_node_ray(job_id: int, node_index: int) -> list[int]:
     return killed
 
 
-def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> tuple[Job, Path, float]:
-    """Submit, wait for epoch 1's checkpoint, kill rtnode2's Ray, wait for the job to end.
+def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> tuple[Job, Path, float, str]:
+    """Submit, wait for epoch 1's checkpoint, kill rtnode2's Ray, wait for the job to end (or to be requeued
+    without rtnode2: with two nodes, the requeued job waits, and is cancelled here).
 
-    Returns the job, its run directory and the seconds from the kill to the job's end.
+    Returns the job, its run directory, the seconds from the kill to the job's end, and `scontrol show job`.
     """
     workdir = testbed.workdir(name)
     log_path = workdir / "job.out"
@@ -78,17 +79,20 @@ def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> t
         killed_at = time.monotonic()
         while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
             assert time.monotonic() - killed_at < 300, "the job hangs after the node loss:\n" + log_path.read_text()
+            if "requeued job" in log_path.read_text():
+                break
             time.sleep(1)
         ended_after = time.monotonic() - killed_at
+        shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
     finally:
         subprocess.run(["scancel", str(job_id)], timeout=30)
     job = Job(job_id, -1, log_path.read_text(), time.monotonic() - started, workdir)
     print(f"{name}: node killed -> job ended {ended_after:.0f}s; whole job {job.elapsed:.0f}s")
-    return job, run_dir, ended_after
+    return job, run_dir, ended_after, shown
 
 
 def test_lost_node_without_room_ends_with_an_error_naming_it(testbed: Testbed) -> None:
-    job, run_dir, ended_after = run_and_lose_a_node(testbed, "node-loss", [*TRAIN, "--capacity-wait-s", "20"])
+    job, run_dir, ended_after, shown = run_and_lose_a_node(testbed, "node-loss", [*TRAIN, "--capacity-wait-s", "20"])
     assert f"Lost node {LOST_NODE}" in job.log, show(job)
     assert re.search(r"rank\(s\) [01] ran there", job.log), show(job)  # whichever rank Ray placed there
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -100,11 +104,14 @@ def test_lost_node_without_room_ends_with_an_error_naming_it(testbed: Testbed) -
     assert LOST_NODE in error_line, show(job)
     assert "trainer exited with code 1" in job.log, show(job)
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["epoch"] == 1  # epoch 1 is kept
+    # the job goes again from that checkpoint, never on the lost node
+    assert f"requeued job {job.job_id} (restart 1) without {LOST_NODE} (ExcNodeList={LOST_NODE})" in job.log, show(job)
+    assert re.search(rf"\bExcNodeList={LOST_NODE}\s", shown) and "Restarts=1" in shown, shown
     assert_no_leftovers(job, timeout=60)
 
 
 def test_lost_node_with_min_workers_goes_on_with_fewer(testbed: Testbed) -> None:
-    job, run_dir, _ = run_and_lose_a_node(testbed, "node-loss-elastic", [*TRAIN, "--min-workers", "1", "--scale-lr"])
+    job, run_dir, _, _ = run_and_lose_a_node(testbed, "node-loss-elastic", [*TRAIN, "--min-workers", "1", "--scale-lr"])
     assert f"Lost node {LOST_NODE}" in job.log, show(job)
     assert "Ray Train restarted the workers from the latest checkpoint (restart 1)" in job.log, show(job)
     assert (
@@ -121,4 +128,62 @@ def test_lost_node_with_min_workers_goes_on_with_fewer(testbed: Testbed) -> None
     assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
     assert summary["world_size"] == 1 and summary["restarts"] >= 1, summary
     assert [n["hostname"] for n in summary["lost_nodes"]] == [LOST_NODE], summary["lost_nodes"]
+    assert "requeued" not in job.log, show(job)  # a finished run is not requeued
     assert_no_leftovers(job, timeout=60)
+
+
+# A second network between the two nodes, as the fast (NCCL) network of a real cluster: a veth pair
+# rtfast1 (rtnode1, 198.19.0.11) -- rtfast2 (rtnode2, 198.19.0.12), another RFC 2544 benchmark range.
+# The job's Ray head address is on it; Slurm keeps using the testbed's bridge (198.18.0.0/24).
+FAST_NET = [
+    "ip link add rtfast1 netns rtns1 type veth peer name rtfast2 netns rtns2",
+    "ip -n rtns1 addr add 198.19.0.11/24 dev rtfast1",
+    "ip -n rtns2 addr add 198.19.0.12/24 dev rtfast2",
+    "ip -n rtns1 link set rtfast1 up",
+    "ip -n rtns2 link set rtfast2 up",
+]
+
+
+def ip(command: str) -> None:
+    done = subprocess.run(command.split(), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"{command}: {done.stderr}"
+
+
+def test_a_node_whose_link_is_down_is_named_and_the_requeued_job_excludes_it(testbed: Testbed) -> None:
+    """The network check before Ray starts: rtnode2's link to the fast network is down (inside its
+    namespace), so it cannot reach the head's address there. The job ends in one ERROR line naming
+    rtnode2 (exit 3, instead of a hang at the first all-reduce) and is requeued with rtnode2 in its
+    ExcNodeList (where, with only two nodes, it waits: the test cancels it)."""
+    subprocess.run(["ip", "-n", "rtns1", "link", "del", "rtfast1"], capture_output=True, timeout=30)  # a stale one
+    for command in FAST_NET:
+        ip(command)
+    try:
+        ip("ip -n rtns2 link set rtfast2 down")  # the broken link
+        workdir = testbed.workdir("netcheck")
+        log_path = workdir / "job.out"
+        job_id = testbed.submit(
+            workdir, TWO_NODES, TRAIN, RAYTRAIN_HEAD_ADDR="198.19.0.11", RAYTRAIN_NETCHECK_TIMEOUT_S="8"
+        )
+        started = time.monotonic()
+        try:
+            while "cleanup done" not in (log_path.read_text() if log_path.exists() else ""):
+                assert time.monotonic() - started < 300, "the job did not end after its network check:\n" + (
+                    log_path.read_text() if log_path.exists() else ""
+                )
+                time.sleep(1)
+            time.sleep(3)  # the requeue, once Ray is stopped
+            shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
+        finally:
+            subprocess.run(["scancel", str(job_id)], timeout=30)
+    finally:
+        subprocess.run(["ip", "-n", "rtns1", "link", "del", "rtfast1"], capture_output=True, timeout=30)
+    job = Job(job_id, -1, log_path.read_text(), time.monotonic() - started, workdir)
+    errors = [line for line in job.log.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, show(job)
+    assert f"network check failed: {LOST_NODE} (it could not reach rtnode1 (198.19.0.11:" in errors[0], show(job)
+    assert "rtnode1 (" not in errors[0].replace("reach rtnode1 (", ""), show(job)  # the head is not blamed
+    assert "exit code 3" in job.log and "ray start (" not in job.log, show(job)  # Ray never started
+    assert f"requeued job {job_id} (restart 1) without {LOST_NODE} (ExcNodeList={LOST_NODE})" in job.log, show(job)
+    assert re.search(rf"\bExcNodeList={LOST_NODE}\s", shown) and "Restarts=1" in shown, shown
+    print(f"network check: job start -> requeue {job.elapsed:.0f}s")
+    assert_no_leftovers(job)

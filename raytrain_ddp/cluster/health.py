@@ -1,0 +1,88 @@
+"""Bad nodes: which node a failed network check or a failed run points at, and the job's exclusion list.
+
+Pure functions of what the nodes and the trainer reported (no processes, no Slurm), unit-tested with
+fake reports in milliseconds; raytrain_ddp.cluster.node runs the check, the launcher acts on the verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+NETCHECK_TIMEOUT_S = 30.0  # default of RAYTRAIN_NETCHECK_TIMEOUT_S: a few connections, seconds on a sane network
+
+
+def netcheck_timeout(env: Mapping[str, str]) -> float:
+    """RAYTRAIN_NETCHECK_TIMEOUT_S (0 turns the check off). ValueError naming the variable for a bad value."""
+    raw = env.get("RAYTRAIN_NETCHECK_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw.strip() else NETCHECK_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:  # also NaN
+        raise ValueError(f"RAYTRAIN_NETCHECK_TIMEOUT_S={raw!r}: give seconds between 0 (no check) and 3600")
+    return value
+
+
+def blame(nodes: list[str], reports: Mapping[str, Mapping[str, str] | None]) -> tuple[list[str], list[str]]:
+    """(bad nodes, why each is bad) from each node's network check.
+
+    reports: node -> {peer it could not reach: why} ({} when it reached every peer), None when the node
+    never reported (it is bad). A failed connection a->b is explained by one of a and b: the node in
+    the most failed pairs is blamed first and its pairs dropped, until none is left unexplained. A tie goes
+    to the later node: with two nodes a failure cannot tell which side is broken, and the first node,
+    the Ray head, is the one every node's Ray must reach (the reason names the other side too)."""
+    bad = [n for n in nodes if reports.get(n) is None]
+    reasons = {n: "its network check did not report" for n in bad}
+    pairs = {
+        (a, b): why
+        for a in nodes
+        if a not in bad
+        for b, why in (reports.get(a) or {}).items()
+        if b in nodes and b not in bad
+    }
+    while pairs:
+        weights = {n: _weight(n, pairs, nodes) for pair in pairs for n in pair}
+        worst = max(weights, key=weights.__getitem__)
+        failed = sorted(
+            {
+                (f"{a} could not reach it ({why})" if b == worst else f"it could not reach {b} ({why})")
+                for (a, b), why in pairs.items()
+                if worst in (a, b)
+            }
+        )
+        bad.append(worst)
+        reasons[worst] = "; ".join(failed)
+        pairs = {pair: why for pair, why in pairs.items() if worst not in pair}
+    return bad, [reasons[n] for n in bad]
+
+
+def _weight(node: str, pairs: Mapping[tuple[str, str], str], nodes: list[str]) -> tuple[int, int]:
+    """How many peers `node` failed with (either way), then its place (the later is blamed first)."""
+    peers = {b for a, b in pairs if a == node} | {a for a, b in pairs if b == node}
+    return len(peers), nodes.index(node)
+
+
+def nodes_the_run_failed_on(summary: Mapping, nodes: list[str]) -> list[str]:
+    """The job's nodes a run failed on, from its summary: the lost nodes when a lost node ended it, the
+    nodes of the ranks the watchdog ended when a hang did (lost_nodes / stuck_nodes; Ray's host names may
+    carry a domain). None for any other failure: a NaN or a bad flag fails on every node alike."""
+    if not str(summary.get("error") or "").startswith(("lost node ", "watchdog: ")):
+        return []
+    named = [n.get("hostname", "") for n in summary.get("lost_nodes") or []]
+    named += list(summary.get("stuck_nodes") or [])
+    short = {str(h).split(".")[0] for h in named if h}
+    return [n for n in nodes if n.split(".")[0] in short]
+
+
+def job_field(scontrol_show_job: str, field: str) -> str:
+    """A field of `scontrol show job` output ('' for Slurm's (null))."""
+    for word in scontrol_show_job.split():
+        key, _, value = word.partition("=")
+        if key == field:
+            return "" if value == "(null)" else value
+    return ""
+
+
+def merged_exclusion(excluded: list[str], bad: list[str]) -> list[str]:
+    """The job's ExcNodeList after excluding `bad` too: the old entries first, none twice."""
+    return list(dict.fromkeys([*excluded, *bad]))

@@ -1,0 +1,86 @@
+"""Bad nodes (raytrain_ddp/cluster/health.py): the network check's verdict and the job's exclusion list."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_ddp.cluster import health, plan
+
+NODES = ["n1", "n2", "n3"]
+
+
+def test_every_node_reached_every_other_blames_none():
+    assert health.blame(NODES, {n: {} for n in NODES}) == ([], [])
+
+
+def test_a_node_nobody_reaches_is_blamed_not_the_ones_that_tried():
+    reports = {"n1": {"n3": "timed out"}, "n2": {"n3": "timed out"}, "n3": {}}
+    bad, why = health.blame(NODES, reports)
+    assert bad == ["n3"]
+    assert why == ["n1 could not reach it (timed out); n2 could not reach it (timed out)"]
+
+
+def test_a_node_that_reaches_nobody_is_blamed():
+    reports = {"n1": {}, "n2": {}, "n3": {"n1": "refused", "n2": "refused"}}
+    assert health.blame(NODES, reports)[0] == ["n3"]
+
+
+def test_two_nodes_that_fail_each_other_blame_the_worker_and_name_the_other_side():
+    # two nodes cannot tell which side is broken: not the head, which every node's Ray must reach
+    assert health.blame(["n1", "n2"], {"n1": {"n2": "t"}, "n2": {"n1": "t"}})[0] == ["n2"]
+    bad, why = health.blame(["n1", "n2"], {"n1": {}, "n2": {"n1": "timed out"}})
+    assert bad == ["n2"] and why == ["it could not reach n1 (timed out)"]
+
+
+def test_a_node_that_never_reported_is_blamed_and_its_pairs_explain_the_rest():
+    bad, why = health.blame(NODES, {"n1": {"n2": "t"}, "n2": None, "n3": {"n2": "t"}})
+    assert bad == ["n2"] and why == ["its network check did not report"]
+
+
+def test_two_bad_nodes_are_both_named():
+    nodes = ["n1", "n2", "n3", "n4", "n5"]
+    reports = {n: {"n2": "t", "n3": "t"} for n in ("n1", "n4", "n5")} | {"n2": {}, "n3": {}}
+    assert health.blame(nodes, reports)[0] == ["n3", "n2"]
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [(None, health.NETCHECK_TIMEOUT_S), ("", health.NETCHECK_TIMEOUT_S), ("0", 0.0), ("7.5", 7.5)]
+)
+def test_the_check_timeout(value, seconds):
+    env = {} if value is None else {"RAYTRAIN_NETCHECK_TIMEOUT_S": value}
+    assert health.netcheck_timeout(env) == seconds
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "1e9", "ten"])
+def test_a_bad_check_timeout_is_one_line_naming_the_variable(value):
+    with pytest.raises(ValueError, match=r"^RAYTRAIN_NETCHECK_TIMEOUT_S="):
+        health.netcheck_timeout({"RAYTRAIN_NETCHECK_TIMEOUT_S": value})
+
+
+def test_the_plan_carries_the_check_timeout():
+    env = {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3", "RAYTRAIN_NETCHECK_TIMEOUT_S": "12"}
+    kwargs = dict(head_ip="10.0.0.1", ports=plan.port_blocks(7, 1)[0], python="py", home="/h", fallback_cpus=1)
+    made = plan.job_plan(env, ["a", "b"], **kwargs)
+    assert made.netcheck_timeout_s == 12 and plan.JobPlan.from_json(made.to_json()) == made
+
+
+def test_nodes_the_run_failed_on_come_from_the_summary():
+    lost = {"lost_nodes": [{"hostname": "n2.cluster.local", "node_ip": "10.0.0.2"}], "stuck_nodes": ["n3"]}
+    assert health.nodes_the_run_failed_on({**lost, "error": "lost node n2 (...) after 1 epoch(s)"}, NODES) == [
+        "n2",
+        "n3",
+    ]
+    assert health.nodes_the_run_failed_on({"stuck_nodes": ["n3"], "error": "watchdog: no rank ..."}, NODES) == ["n3"]
+    # a failure of the run's own (it would fail on any node) names no node, whatever else the summary holds
+    assert health.nodes_the_run_failed_on({**lost, "error": "non-finite loss at step 3"}, NODES) == []
+    lost_elsewhere = {"lost_nodes": [{"hostname": "elsewhere"}], "error": "lost node elsewhere"}
+    assert health.nodes_the_run_failed_on(lost_elsewhere, NODES) == []
+    assert health.nodes_the_run_failed_on({}, NODES) == []
+
+
+def test_the_exclusion_list_merges_with_the_jobs_own():
+    shown = "JobId=5 JobName=raytrain\n   ReqNodeList=(null) ExcNodeList=n7 Features=(null)"
+    assert health.job_field(shown, "ExcNodeList") == "n7"
+    assert health.job_field(shown, "ReqNodeList") == ""
+    assert health.merged_exclusion(["n7"], ["n2", "n7"]) == ["n7", "n2"]
+    assert health.merged_exclusion([], ["n2"]) == ["n2"]
