@@ -99,7 +99,11 @@ CASES = [
         "--checkpoint-metric 'val_f1' is unknown; choose one of: val_accuracy, val_loss",
     ),
     ("unknown-checkpoint-mode", ["--checkpoint-mode", "best"], "argument --checkpoint-mode: invalid choice: 'best'"),
-    ("unknown-checkpoint-format", ["--checkpoint-format", "zip"], "argument --checkpoint-format: invalid choice: 'zip'"),
+    (
+        "unknown-checkpoint-format",
+        ["--checkpoint-format", "zip"],
+        "argument --checkpoint-format: invalid choice: 'zip'",
+    ),
     (
         "sharded-checkpoints-on-a-uri",
         ["--checkpoint-format", "sharded", "--storage-path", "s3://bucket/runs"],

@@ -207,13 +207,14 @@ class ShardedSaver:
     ``save`` stages this rank's shards in host memory (the one pause training takes), starts
     ``dcp.async_save`` into RUN_DIR/checkpoint_DATE/shards/ and returns. The checkpoint is reported to Ray
     Train (one checkpoint: rank zero reports the directory every rank wrote into, with NO_UPLOAD, as it
-    already lies in the run directory) once every rank's write is done: at a stop check that finds them
-    done (:meth:`report_done`), else before the next save or when the run ends (:meth:`flush`). Until then
-    Ray Train does not know it: a crash resumes from the one before. DCP's collectives run on their own
-    gloo group, so the writing thread never interleaves with training's collectives.
+    already lies in the run directory) once every rank's write is done: :meth:`flush`, called by the
+    training loop at the first stop check that finds every rank's :meth:`done_here`, else before the next
+    save or when the run ends. Until then Ray Train does not know it: a crash resumes from the one before.
+    DCP's collectives run on their own gloo group (in the writing thread; the next one waits for it), so
+    they never interleave with training's collectives, and async_save gets the CPU group it needs on GPUs.
     """
 
-    def __init__(self, run_dir: str | Path, rank: int, report: Callable[[dict, Path], None] = None) -> None:
+    def __init__(self, run_dir: str | Path, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
         """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`)."""
         self.run_dir, self.rank = Path(run_dir), rank
         self.report = report or functools.partial(report_written, rank=rank)
