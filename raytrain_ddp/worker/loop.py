@@ -26,6 +26,7 @@ import ray
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
@@ -149,9 +150,7 @@ class Trainer:
         self.loss_fn = make_loss_fn(config, plugins.get("loss_fn"))
         self.grad_norm: torch.Tensor | None = None  # the last optimizer step's, when computed
         sharded = config.checkpoint_format == "sharded"
-        self.sharded_saver = (
-            ckpt.ShardedSaver(config.run_dir, ray.train.get_context().get_world_rank()) if sharded else None
-        )
+        self.sharded_saver = ckpt.ShardedSaver(config.run_dir, dist.get_rank()) if sharded else None
 
     def restore(self, state: dict) -> ckpt.Position:
         if "shards" in state:  # a sharded checkpoint, from any world size
