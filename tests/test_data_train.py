@@ -204,6 +204,43 @@ def test_same_seed_same_order_other_seed_other_order(recorded_run, tabular_data)
 
 
 @pytest.mark.ray
+def test_a_run_resumed_with_fewer_workers_trains_exactly_the_rows_its_epoch_had_left(
+    ray_address, tabular_data, tmp_path
+):
+    """2 workers checkpoint every CHECKPOINT_EVERY optimizer steps and rank 1's process dies in epoch 1 (no
+    retries: the run fails); the same run started again with 1 worker resumes from the step-8 checkpoint and
+    trains the rows of epoch 1 that the 2 ranks had not trained: over both attempts, each row once."""
+    import dataclasses
+
+    from raytrain_ddp import fit
+
+    config = dataclasses.replace(
+        _config(tabular_data),
+        epochs=1,
+        record_sample_ids=True,
+        storage_path=str(tmp_path),
+        name="resized",
+        checkpoint_every_steps=CHECKPOINT_EVERY,
+        max_failures=0,
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:DieOnce")
+        env.setenv("RAYTRAIN_TEST_DIE_ONCE", f"{tmp_path}:1:1:{DIES_AT}:3")  # 3 s: the checkpoints before count
+        interrupted = fit(config)
+    assert not interrupted.ok and interrupted.summary["epochs_completed"] == 0, interrupted.summary
+    resumed = fit(dataclasses.replace(config, num_workers=1))
+    assert resumed.ok, resumed.summary["error"]
+    first_attempt = _pipeline_order(tabular_data, seed=0)
+    steps_done = (DIES_AT - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # the latest checkpoint before the death
+    trained_before = np.concatenate([first_attempt[1, rank][: steps_done * config.batch_size] for rank in (0, 1)])
+    trained_after = _seen(resumed, 1, 0)
+    both = np.concatenate([trained_before, trained_after])
+    assert len(np.unique(both)) == len(both), "a row trained twice"
+    epoch_rows = set(first_attempt[1, 0]) | set(first_attempt[1, 1])  # all but the last train_rows % 2
+    assert set(both) == epoch_rows, f"{len(epoch_rows - set(both))} rows of the epoch never trained"
+
+
+@pytest.mark.ray
 def test_epoch_order_does_not_depend_on_what_ran_before(ray_address, tabular_data):
     """A run resumed at epoch 2 (a new driver: everything built again, epoch 1 never read)
     gets, rank by rank, the ids in the order the uninterrupted run got them."""
@@ -266,6 +303,59 @@ def test_train_tasks_are_consecutive_pieces_of_about_task_bytes():
     rows = [[stop - start for _, start, stop, _ in task] for task in tasks]
     assert all(sum(task) >= task_rows for task in rows[:-1])
     assert all(sum(task[:-1]) < task_rows for task in rows)
+
+
+@pytest.mark.parametrize("in_memory", [True, False], ids=["built-in", "streamed"])
+def test_a_resized_epoch_goes_on_with_exactly_the_rows_not_yet_trained(in_memory):
+    """An epoch begun by 3 ranks (5 optimizer steps), continued by 2 (4 steps), finished by 4: over the three
+    parts every row of the epoch is trained once, but for fewer than 4 left over (as any epoch drops fewer
+    than its world size). Each part's ranks read their pieces and shuffle them as host_batches does."""
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.data.pipeline import (
+        SHUFFLE_BUFFER_ROWS,
+        _window_shuffled,
+        epoch_pieces,
+        rest_of_epoch_pieces,
+        shuffle_seed,
+    )
+
+    unit_rows = [100] * 30 + [37, 2]
+    config, epoch = TrainConfig(batch_size=16, grad_accum=2, seed=5), 3
+    starts = np.cumsum([0, *unit_rows])
+
+    def trained_ids(pieces, rank, part, steps):
+        ids = np.concatenate([np.arange(starts[unit] + a, starts[unit] + b) for unit, a, b in pieces])
+        seed = shuffle_seed(config.seed, epoch, rank, part)
+        if in_memory:
+            order = ids[np.random.default_rng(seed).permutation(len(ids))]
+        else:
+            stream = iter(np.array_split(ids, np.arange(7, len(ids), 7)))  # a stream cut in blocks of 7 rows
+            buffer = np.empty(0, int)
+
+            def read(count):
+                nonlocal buffer
+                while len(buffer) < count and (block := next(stream, None)) is not None:
+                    buffer = np.concatenate([buffer, block])
+                taken, buffer = buffer[:count], buffer[count:]
+                return {"y": taken}
+
+            order = np.concatenate([b["y"] for b in _window_shuffled(read, 16, SHUFFLE_BUFFER_ROWS, seed)])
+        return order if steps is None else order[: steps * config.grad_accum * config.batch_size]
+
+    parts = [(3, 5), (2, 4), (4, None)]  # (world size, optimizer steps); the last part trains to the end
+    trained = []
+    for part, (world_size, steps) in enumerate(parts):
+        earlier = tuple(parts[:part])
+        for rank in range(world_size):
+            if part == 0:
+                pieces = epoch_pieces(unit_rows, config.seed, epoch, rank, world_size)
+            else:
+                pieces = rest_of_epoch_pieces(unit_rows, config, epoch, rank, world_size, earlier, in_memory)
+            trained.append(trained_ids(pieces, rank, part, steps))
+    ids = np.concatenate(trained)
+    assert len(np.unique(ids)) == len(ids)  # nothing twice
+    left_over = set(range(sum(unit_rows))) - set(ids)
+    assert len(left_over) < 4, len(left_over)  # and nothing missed but the last part's remainder
 
 
 def _image_folder(root: Path, per_class: int = 60) -> Path:

@@ -220,6 +220,22 @@ def test_model_flops_are_three_forwards_and_change_nothing():
     assert peak_tflops(torch.device("cpu"), None) is None and peak_tflops(torch.device("cpu"), 3.5) == 3.5
 
 
+def test_model_flops_count_attention():
+    """The built-in language model's count is its matmuls, 2 FLOPs per weight per token, plus attention's two
+    (S x d) by (d x S) products per block, 2 * S * S * d FLOPs each, times 3: on CPU too, whose fused attention
+    kernel the counter does not see."""
+    from raytrain_ddp.models import TransformerLM
+    from raytrain_ddp.worker.flops import training_flops_per_sample
+
+    length, dim, depth = 64, 128, 4
+    model = TransformerLM(vocab_size=256, max_length=length, dim=dim, depth=depth, heads=4)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = depth * 2 * (2 * length * length * dim)
+    assert training_flops_per_sample(model, torch.zeros(1, length, dtype=torch.long)) == 3 * (
+        2 * length * weights + attention
+    )
+
+
 def test_fsdp_units_are_the_outermost_listed_blocks_or_the_layer_list():
     """`_no_split_modules` (as transformers models publish it): a listed class inside a listed block is part of
     that block's unit, not a unit of its own (FSDP shards bottom-up); names that match nothing fall through."""

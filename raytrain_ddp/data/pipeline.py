@@ -35,7 +35,9 @@ only: a second run with the same seed repeats the first, and a run resumed at
 epoch E (driver restarted, or Ray Train restarting the worker group) sees what
 the uninterrupted run saw (a rank that asks for another epoch than the
 stream's next one, or left an epoch half read, gets a new stream starting
-there). No all-to-all shuffle runs, so the first batch of an epoch waits for
+there). An epoch resumed mid-way at another world size goes on with the rows
+its earlier parts did not train (:func:`rest_of_epoch_pieces`), so across a
+resize too every row of the epoch is trained once. No all-to-all shuffle runs, so the first batch of an epoch waits for
 one window of rows, not for the whole training set.
 
 Shuffle quality, against a global row shuffle: a batch draws its rows from the
@@ -435,6 +437,71 @@ def epoch_pieces(
     return _pieces(unit_rows, order, rank * per_rank, (rank + 1) * per_rank)
 
 
+def rest_of_epoch_pieces(
+    unit_rows: Sequence[int],
+    config: TrainConfig,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    earlier_parts,
+    in_memory: bool,
+) -> list[tuple[int, int, int]]:
+    """Rank's train pieces of what is left of an epoch whose `earlier_parts` ((world size, optimizer steps), in
+    order) were trained at other world sizes (an elastic restart, a resumed run with more or fewer workers).
+
+    Each earlier part's ranks are replayed on row positions only (no data is read): what each trained is the
+    start of its shard in its micro-batch order. The rows none of them trained, in the epoch's order, are split
+    as a whole epoch is: `rows // world_size` per rank, so over all parts every row of the epoch is trained
+    once (but for the last `rows % world_size`, fewer than the world size, as in any epoch).
+    """
+    order = np.random.default_rng([config.seed, epoch]).permutation(len(unit_rows))
+    units = np.repeat(order, [unit_rows[unit] for unit in order])  # the epoch's rows as (unit, row in unit)
+    rows = np.concatenate([np.arange(unit_rows[unit]) for unit in order]) if len(order) else np.empty(0, int)
+    for part, (part_world_size, steps) in enumerate(earlier_parts):
+        per_rank = len(units) // part_world_size
+        trained_rows = steps * config.grad_accum * config.batch_size
+        left = []
+        for part_rank in range(part_world_size):
+            seed = shuffle_seed(config.seed, epoch, part_rank, part)
+            trained = _trained_order(per_rank, config.batch_size, seed, in_memory)[:trained_rows]
+            untrained = np.ones(per_rank, dtype=bool)
+            untrained[trained] = False
+            left.append(part_rank * per_rank + np.flatnonzero(untrained))
+        picked = np.concatenate(left)
+        units, rows = units[picked], rows[picked]
+    per_rank = len(units) // world_size
+    return _runs(units[rank * per_rank : (rank + 1) * per_rank], rows[rank * per_rank : (rank + 1) * per_rank])
+
+
+def shuffle_seed(seed: int, epoch: int, rank: int, part: int = 0) -> int:
+    """The seed of a rank's micro-batch order in an epoch; `part` counts the world-size changes within it."""
+    return _seed_of(seed, epoch, rank) if part == 0 else _seed_of(seed, epoch, rank, part)
+
+
+def _trained_order(rows: int, batch_size: int, seed: int, in_memory: bool) -> np.ndarray:
+    """Positions 0..rows-1 of a rank's epoch rows, in the order its micro-batches take them (host_batches' order)."""
+    if in_memory:
+        return np.random.default_rng(seed).permutation(rows)
+    positions, at = np.arange(rows), 0
+
+    def read(count: int) -> dict[str, np.ndarray]:
+        nonlocal at
+        part, at = positions[at : at + count], min(rows, at + count)
+        return {"y": part}
+
+    batches = [batch["y"] for batch in _window_shuffled(read, batch_size, SHUFFLE_BUFFER_ROWS, seed)]
+    return np.concatenate(batches) if batches else positions
+
+
+def _runs(units: np.ndarray, rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """(unit, start, stop) pieces of consecutive rows of one unit, covering the given rows in their order."""
+    if not len(units):
+        return []
+    breaks = np.flatnonzero((np.diff(units) != 0) | (np.diff(rows) != 1)) + 1
+    starts, stops = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(units)]])
+    return [(int(units[a]), int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
 def val_pieces(unit_rows: Sequence[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:
     """Rank's val pieces, in storage order: rows [rank * N // W, (rank + 1) * N // W), none dropped."""
     rows = sum(unit_rows)
@@ -470,19 +537,18 @@ class _TrainStream:
     E + 1 while epoch E is still being consumed (within its usual backpressure).
     """
 
-    def __init__(self, shard: TrainShard, config: TrainConfig, first: int) -> None:
+    def __init__(self, shard: TrainShard, config: TrainConfig, first: int, earlier_parts=()) -> None:
         source = shard.source
-        self.rows_per_epoch = sum(source.unit_rows) // shard.world_size
+        self.rows_of_epoch: dict[int, int] = {}
         pieces: list[TaskPiece] = []
         self.last = first
         for epoch in range(first, max(first, config.epochs) + 1):
             if pieces and len(pieces) + len(source.unit_rows) > MAX_STREAM_PIECES:
                 break  # the rest in a later stream: the task list stays small
             augment_seed = _seed_of(config.seed, epoch) if source.augments else None
-            pieces += [
-                (*piece, augment_seed)
-                for piece in epoch_pieces(source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
-            ]
+            epoch_part = train_pieces(shard, config, epoch, earlier_parts if epoch == first else ())
+            pieces += [(*piece, augment_seed) for piece in epoch_part]
+            self.rows_of_epoch[epoch] = sum(stop - start for _, start, stop in epoch_part)
             self.last = epoch
         # images cross the object store as uint8 and are normalised by the consumer (DeviceFeed)
         dataset = _tasks_dataset(source, _group_pieces(pieces, _task_rows(source.spec)), normalise=False)
@@ -511,9 +577,9 @@ class _TrainStream:
         return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]} if parts else {}
 
     def epoch(self, epoch: int, batch_size: int, shuffle_seed: int) -> Iterator[dict[str, np.ndarray]]:
-        """Epoch `epoch`'s rows (the next rows_per_epoch of the stream), shuffled in a window; marks the
+        """Epoch `epoch`'s rows (the next rows_of_epoch[epoch] of the stream), shuffled in a window; marks the
         stream ready for epoch + 1 once all of them were read."""
-        left = self.rows_per_epoch
+        left = self.rows_of_epoch[epoch]
 
         def read(rows: int) -> dict[str, np.ndarray]:
             nonlocal left
@@ -576,28 +642,41 @@ class TrainShard:
         return {**self.__dict__, "stream": None}
 
 
-def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device) -> Iterator[dict]:
+def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device, earlier_parts=()) -> Iterator[dict]:
     """This rank's torch batches of `epoch` (counted from 1) on `device`: a function of (seed, epoch, rank,
-    world size)."""
+    world size), and of the epoch's `earlier_parts` when it was begun at other world sizes."""
     feed = DeviceFeed(shard.source.spec if isinstance(shard, TrainShard) else None, device)
-    for batch in host_batches(shard, config, epoch):
+    for batch in host_batches(shard, config, epoch, earlier_parts):
         yield feed.receive(feed.send(batch))
 
 
-def host_batches(shard: TrainShard, config: TrainConfig, epoch: int) -> Iterable[dict]:
-    """This rank's batches of `epoch` as host tensors, images still uint8 (:class:`DeviceFeed` finishes them)."""
+def host_batches(shard: TrainShard, config: TrainConfig, epoch: int, earlier_parts=()) -> Iterable[dict]:
+    """This rank's batches of `epoch` as host tensors, images still uint8 (:class:`DeviceFeed` finishes them).
+
+    `earlier_parts`: the (world size, optimizer steps) of the epoch trained before a world-size change; the
+    rank then reads its share of the rows they did not train (:func:`rest_of_epoch_pieces`)."""
     if not isinstance(shard, TrainShard):  # a plug-in's dataset, already split (and reshuffled) by Ray Data
         return shard.iter_torch_batches(batch_size=config.batch_size)
-    shuffle_seed = _seed_of(config.seed, epoch, shard.rank)
+    seed = shuffle_seed(config.seed, epoch, shard.rank, len(earlier_parts))
     if shard.source.chunks:
-        pieces = epoch_pieces(shard.source.unit_rows, config.seed, epoch, shard.rank, shard.world_size)
-        return _to_torch(_in_memory_batches(shard.source, pieces, config.batch_size, shuffle_seed))
-    if shard.stream is None or shard.stream.next_epoch != epoch:  # first epoch, a jump, or one left half read
+        pieces = train_pieces(shard, config, epoch, earlier_parts)
+        return _to_torch(_in_memory_batches(shard.source, pieces, config.batch_size, seed))
+    # A new stream for the first epoch, a jump, one left half read, or the rest of a resized epoch
+    if shard.stream is None or shard.stream.next_epoch != epoch or earlier_parts:
         if shard.stream is not None:
             shard.stream.close()
-        shard.stream = _TrainStream(shard, config, epoch)
+        shard.stream = _TrainStream(shard, config, epoch, earlier_parts)
     shard.stream.next_epoch = None
-    return _to_torch(shard.stream.epoch(epoch, config.batch_size, shuffle_seed))
+    return _to_torch(shard.stream.epoch(epoch, config.batch_size, seed))
+
+
+def train_pieces(shard: TrainShard, config: TrainConfig, epoch: int, earlier_parts=()) -> list[tuple[int, int, int]]:
+    """The rank's pieces of `epoch`, in order: its shard of the epoch, or of its rest after `earlier_parts`."""
+    unit_rows = shard.source.unit_rows
+    if earlier_parts:
+        in_memory = bool(shard.source.chunks)
+        return rest_of_epoch_pieces(unit_rows, config, epoch, shard.rank, shard.world_size, earlier_parts, in_memory)
+    return epoch_pieces(unit_rows, config.seed, epoch, shard.rank, shard.world_size)
 
 
 def _to_torch(batches: Iterable[dict[str, np.ndarray]]) -> Iterator[dict]:

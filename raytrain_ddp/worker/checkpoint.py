@@ -16,6 +16,8 @@ any world size (DCP reshards on load); :func:`consolidate` turns it into the ful
 * ``epoch``: epochs completed (counting from 1); ``step_in_epoch``: optimizer
   steps already taken in the next epoch when the run was stopped mid-epoch
   (0 at an epoch boundary); ``global_step``: optimizer steps so far;
+  ``earlier_parts``: [world size, optimizer steps] of that epoch's parts trained
+  at other world sizes before a resize (empty but after one; absent in old files);
 * ``rng``: torch's random state (the same on every rank: all were seeded alike);
 * ``metrics``, ``config``, ``data_spec``: what it scored and what produced it.
 
@@ -56,6 +58,8 @@ class Position:
     epoch: int = 0  # epochs completed
     step_in_epoch: int = 0  # optimizer steps done in epoch `epoch + 1`
     global_step: int = 0
+    # (world size, optimizer steps) of epoch `epoch + 1`'s parts trained before the world size changed
+    earlier_parts: tuple[tuple[int, int], ...] = ()
 
 
 def save(
@@ -88,6 +92,7 @@ def plain_state(training_state: dict, position: Position, metrics: dict, run_inf
         "epoch": position.epoch,
         "step_in_epoch": position.step_in_epoch,
         "global_step": position.global_step,
+        "earlier_parts": [list(part) for part in position.earlier_parts],
         "rng": {"torch": torch.get_rng_state()},
         "metrics": metrics,
         **run_info,
@@ -175,7 +180,8 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path) -> Path:
 
 
 def position_of(state: dict) -> Position:
-    return Position(state["epoch"], state["step_in_epoch"], state["global_step"])
+    earlier = tuple((int(world_size), int(steps)) for world_size, steps in state.get("earlier_parts", ()))
+    return Position(state["epoch"], state["step_in_epoch"], state["global_step"], earlier)
 
 
 def scratch_dir() -> tempfile.TemporaryDirectory:

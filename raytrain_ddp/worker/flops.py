@@ -1,9 +1,12 @@
 """Model FLOPs per training sample, and the device's peak, for achieved TFLOP/s and MFU.
 
 The count is made once per rank at start, with PyTorch's ``FlopCounterMode`` on
-one forward of a one-row batch in eval mode and without gradients (so nothing
-of the model changes: no BatchNorm statistics, no gradients), times 3: a
-backward costs twice a forward, the usual convention of MFU (PaLM, nanoGPT).
+one forward of a one-row batch in eval mode, times 3: a backward costs twice a
+forward, the usual convention of MFU (PaLM, nanoGPT). The forward runs on meta
+tensors (``torch.func.functional_call`` with the weights' shapes, not their
+values): no arithmetic is done, however large the model, nothing of it changes
+(no BatchNorm statistics, no gradients), and attention is counted, which the
+CPU's fused attention kernel hides from the counter (GPU kernels are counted).
 MFU is model FLOPs per second over the device's dense bf16/fp16 peak: from
 ``--peak-tflops`` or the table below; on CPU, or a GPU not in the table,
 there is no MFU unless the flag gives the peak. On CPU nothing is counted
@@ -16,6 +19,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 log = logging.getLogger(__name__)
@@ -39,9 +43,12 @@ def training_flops_per_sample(model: nn.Module, one_row: torch.Tensor) -> float 
     """3x one forward's FLOPs for `one_row` (a batch of one); None when the model cannot be counted."""
     was_training = model.training
     model.eval()
+    shapes = {
+        name: torch.empty_like(t, device="meta") for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(one_row)
+            functional_call(model, shapes, (one_row.to("meta"),))
     except Exception as err:  # a plug-in model may refuse a dummy row; MFU is a nicety, never a failure
         log.warning("model FLOPs not counted (no MFU): %s: %s", type(err).__name__, err)
         return None

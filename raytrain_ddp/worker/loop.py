@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, DeviceFeed, host_batches, padding_batch, val_batches
+from raytrain_ddp.data.pipeline import DataSpec, DeviceFeed, TrainShard, host_batches, padding_batch, val_batches
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
 from raytrain_ddp.worker import checkpoint as ckpt
@@ -152,7 +152,9 @@ class Trainer:
         sharded = config.checkpoint_format == "sharded"
         self.sharded_saver = ckpt.ShardedSaver(config.run_dir, dist.get_rank()) if sharded else None
 
-    def restore(self, state: dict) -> ckpt.Position:
+    def restore(self, state: dict, resizable: bool) -> ckpt.Position:
+        """Load a checkpoint; where it was taken mid-epoch at another world size, the epoch goes on with the
+        rows not yet trained when `resizable` (the pipeline's own shards), else it starts over."""
         if "shards" in state:  # a sharded checkpoint, from any world size
             group = self.sharded_saver.group if self.sharded_saver else None
             strategy.load_sharded_state(self.model, self.optimizer, state["shards"], group)
@@ -161,18 +163,32 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         position = ckpt.position_of(state)
-        if state.get("world_size", self.world_size) != self.world_size:
-            if position.step_in_epoch:
-                # Shards are drawn for a world size: the rows done so far are no prefix of the new shards.
-                log.info(
-                    "world size changed from %d to %d: epoch %d starts over",
-                    state["world_size"],
-                    self.world_size,
-                    position.epoch + 1,
-                )
-                position.step_in_epoch = 0
-            # The checkpoint's schedule counted another world size's steps per epoch (and lr, with --scale-lr).
-            resume_schedule(self.scheduler, self.config.lr_for(self.world_size), position.epoch * self.epoch_steps)
+        saved_world_size = state.get("world_size", self.world_size)
+        if saved_world_size == self.world_size:
+            return position
+        done_steps = 0.0  # of this epoch, in this world size's optimizer steps
+        if position.step_in_epoch and resizable:
+            position.earlier_parts += ((saved_world_size, position.step_in_epoch),)
+            done_steps = sum(size * steps for size, steps in position.earlier_parts) / self.world_size
+            log.info(
+                "world size changed from %d to %d: epoch %d goes on with the rows its %d optimizer steps did not train",
+                saved_world_size,
+                self.world_size,
+                position.epoch + 1,
+                position.step_in_epoch,
+            )
+        elif position.step_in_epoch:  # a plug-in's dataset: Ray Data splits it, no part can be replayed
+            log.info(
+                "world size changed from %d to %d: epoch %d starts over",
+                saved_world_size,
+                self.world_size,
+                position.epoch + 1,
+            )
+            position.earlier_parts = ()
+        position.step_in_epoch = 0
+        # The checkpoint's schedule counted another world size's steps per epoch (and lr, with --scale-lr).
+        step = position.epoch * self.epoch_steps + int(done_steps)
+        resume_schedule(self.scheduler, self.config.lr_for(self.world_size), step)
         return position
 
     def micro_batch(self, batch: dict, synchronise: bool) -> torch.Tensor:
@@ -280,7 +296,7 @@ class WorkerLoop:
     def resume(self) -> ckpt.Position:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
-            self.position = self.trainer.restore(ckpt.load(resume_from))
+            self.position = self.trainer.restore(ckpt.load(resume_from), isinstance(self.train_shard, TrainShard))
             log.info(
                 "rank %d resumed from %s after epoch %d%s",
                 self.rank,
@@ -300,9 +316,12 @@ class WorkerLoop:
         self.heartbeat.at("training", epoch, meter)
         run, clock = EpochRun(meter), StepClock(self.device)
         # A run stopped mid-epoch resumes after the micro-batches it had already trained on.
-        done = self.position.step_in_epoch if epoch == self.position.epoch + 1 else 0
+        resumed = epoch == self.position.epoch + 1
+        done = self.position.step_in_epoch if resumed else 0
+        earlier_parts = self.position.earlier_parts if resumed else ()
         run.optimizer_steps = done
-        batches = itertools.islice(host_batches(self.train_shard, config, epoch), done * config.grad_accum, None)
+        shard_batches = host_batches(self.train_shard, config, epoch, earlier_parts)
+        batches = itertools.islice(shard_batches, done * config.grad_accum, None)
         fed = fed_batches(batches, self.feed, meter, self.hooks, self.rank)
         for micro_batch, (batch, is_last) in enumerate(fed, start=done * config.grad_accum + 1):
             if self.train_micro_batch(run, epoch, micro_batch, batch, is_last):
@@ -395,7 +414,7 @@ class WorkerLoop:
         It has no validation score: ranked below every epoch's, it never evicts a best checkpoint and is
         kept only while it is the latest."""
         self.heartbeat.at("checkpointing", epoch, run.meter)
-        at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step)
+        at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step, self.position.earlier_parts)
         if self.rank == 0 and "interval" in why:
             log.info("checkpoint at epoch %d, optimizer step %d", epoch, run.optimizer_steps)
         metric, mode = self.config.checkpoint_ranking(self.spec.kind)
