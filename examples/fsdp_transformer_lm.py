@@ -10,9 +10,11 @@ With --strategy fsdp every worker keeps 1/N of each parameter, gradient and
 optimizer state, and gathers one transformer block's weights just before it
 runs. For AdamW in fp32 that is 16 bytes per parameter (weights 4, gradients
 4, two moments 8) divided by N, plus one block gathered at a time and the
-activations; DDP keeps all 16 bytes on every worker. The checkpoint is a full
-state dict gathered on rank zero: it loads into a plain single-process model
-(`python -m raytrain_ddp.evaluate`) and resumes on any number of workers.
+activations; DDP keeps all 16 bytes on every worker. The checkpoint is sharded
+(each worker writes its own shards, in the background): it resumes on any number
+of workers, `python -m raytrain_ddp.evaluate` scores it on one process, and
+`python -m raytrain_ddp.checkpoint consolidate` makes a plain state dict of it
+(or train with --checkpoint-format full).
 """
 
 import math
@@ -50,4 +52,4 @@ for epoch in result.epochs:
         f"epoch {epoch['epoch']}: train loss {epoch['train_loss']:.3f}, val loss {epoch['val_loss']:.3f}, "
         f"next-token accuracy {epoch['val_accuracy']:.3f}, lr {epoch['lr']:.5f}"
     )
-print("checkpoint (a plain state dict):", result.best_checkpoint)
+print("checkpoint (sharded):", result.best_checkpoint)

@@ -35,6 +35,12 @@ def _evaluate(argv: list[str]) -> int:
     return evaluate.main(argv, prog=f"{PROG} evaluate")
 
 
+def _checkpoint(argv: list[str]) -> int:
+    from raytrain_ddp import checkpoint
+
+    return checkpoint.main(argv, prog=f"{PROG} checkpoint")
+
+
 def _report(argv: list[str]) -> int:
     from raytrain_ddp import report
 
@@ -63,6 +69,11 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int], str]] = {
     ),
     "inspect": ("check a dataset and describe it", _data("inspect"), "inspect /shared/ds"),
     "evaluate": ("score a checkpoint on one process", _evaluate, "evaluate runs/NAME/checkpoint_DATE"),
+    "checkpoint": (
+        "consolidate a sharded checkpoint into one file",
+        _checkpoint,
+        "checkpoint consolidate runs/NAME/checkpoint_DATE ./full",
+    ),
     "report": ("rebuild a run's HTML report", _report, "report runs/NAME"),
     "status": ("what the Ray cluster holds, how many workers fit", _status, "status --address 10.0.0.1:6379"),
     "slurm": ("inside a Slurm job: Ray on its nodes, then the trainer", _slurm, "slurm --epochs 10"),

@@ -28,6 +28,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("constant", "cosine", "step")
 VALIDATION_METRICS = ("val_accuracy", "val_loss")  # what validation reports: each can rank checkpoints
 CHECKPOINT_MODES = ("min", "max")
+CHECKPOINT_FORMATS = ("auto", "full", "sharded")  # auto: validate() makes it sharded for FSDP, full otherwise
 
 
 def _flag(help: str, **extra: Any) -> dict:
@@ -183,6 +184,16 @@ class TrainConfig:
             "agree on (0: off)"
         ),
     )
+    checkpoint_format: str = field(
+        default="auto",
+        metadata=_flag(
+            "full: rank zero gathers the model and writes one checkpoint.pt; sharded: every rank writes its own "
+            "shards in the background (torch.distributed.checkpoint), resumable at any world size "
+            "(`raytrain-ddp checkpoint consolidate` makes it one file); auto: sharded with --strategy fsdp, "
+            "full otherwise (config.toml records the choice)",
+            choices=CHECKPOINT_FORMATS,
+        ),
+    )
     resume_from: str | None = field(
         default=None,
         metadata=_flag(
@@ -336,6 +347,7 @@ class TrainConfig:
             ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
             ("--checkpoint-metric", self.checkpoint_metric or VALIDATION_METRICS[0], VALIDATION_METRICS),
             ("--checkpoint-mode", self.checkpoint_mode or CHECKPOINT_MODES[0], CHECKPOINT_MODES),
+            ("--checkpoint-format", self.checkpoint_format, CHECKPOINT_FORMATS),
         ):
             if value not in allowed and not (flag_name in ("--model", "--dataset") and is_import_path(value)):
                 raise ConfigError(
@@ -350,6 +362,13 @@ class TrainConfig:
         if bool(self.train_data) != bool(self.val_data):
             raise ConfigError("--train-data and --val-data go together")
         _check_wandb_names(self.wandb_project, self.wandb_entity)
+        if self.checkpoint_format == "auto":  # the one place the default is decided
+            self.checkpoint_format = "sharded" if self.strategy == "fsdp" and "://" not in self.storage_path else "full"
+        if self.checkpoint_format == "sharded" and "://" in self.storage_path:
+            raise ConfigError(
+                f"--checkpoint-format sharded writes into the run directory on a filesystem; --storage-path "
+                f"{self.storage_path!r} is a URI: use --checkpoint-format full"
+            )
         if self.name is None:
             self.name = "run-" + _timestamp()
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):

@@ -23,7 +23,7 @@ from raytrain_ddp.driver.run_checkpoints import read_verified
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 from raytrain_ddp.models import build_model
 from raytrain_ddp.worker import strategy
-from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
+from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, is_sharded, load_model_weights
 from raytrain_ddp.worker.loop import make_loss_fn
 from raytrain_ddp.worker.metrics import evaluate
 
@@ -39,7 +39,7 @@ def pick_device(name: str | None) -> torch.device:
 
 @torch.no_grad()
 def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = None) -> dict:
-    """Validation loss and accuracy of the checkpoint at `path` (file or directory) on `device`."""
+    """Validation loss and accuracy of the checkpoint at `path` (file or directory, full or sharded) on `device`."""
     target = pick_device(device)
     if Path(path).is_file() and Path(path).name != CHECKPOINT_FILE:
         raise ConfigError(f"{path!r} is not a checkpoint: give a checkpoint directory or its {CHECKPOINT_FILE}")
@@ -53,7 +53,10 @@ def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = N
         raise ConfigError(f"{path} was trained on a --dataset plug-in's data; evaluate it with your own data loader")
     strategy.setup_device(config, target)  # TF32 as in training (--no-tf32 runs stay full fp32)
     model = build_model(config, spec)
-    model.load_state_dict(state["model"])
+    if is_sharded(checkpoint_dir):
+        load_model_weights(checkpoint_dir, model)
+    else:
+        model.load_state_dict(state["model"])
     memory_format = torch.channels_last if config.channels_last else torch.preserve_format
     model.to(target, memory_format=memory_format)
     rows = to_model_inputs(read_split_rows(config, "val"), spec)
@@ -77,7 +80,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.eval
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    parser.add_argument("checkpoint", help="checkpoint.pt or the checkpoint directory holding it")
+    parser.add_argument(
+        "checkpoint", help="checkpoint.pt or the checkpoint directory holding it, or a sharded checkpoint's directory"
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where to evaluate (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)

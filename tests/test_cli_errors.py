@@ -100,6 +100,16 @@ CASES = [
     ),
     ("unknown-checkpoint-mode", ["--checkpoint-mode", "best"], "argument --checkpoint-mode: invalid choice: 'best'"),
     (
+        "unknown-checkpoint-format",
+        ["--checkpoint-format", "zip"],
+        "argument --checkpoint-format: invalid choice: 'zip'",
+    ),
+    (
+        "sharded-checkpoints-on-a-uri",
+        ["--checkpoint-format", "sharded", "--storage-path", "s3://bucket/runs"],
+        "--checkpoint-format sharded writes into the run directory on a filesystem; --storage-path 's3://bucket/runs'",
+    ),
+    (
         "negative-checkpoint-every-steps",
         ["--checkpoint-every-steps", "-5"],
         "--checkpoint-every-steps must be at least 0, got -5",
@@ -415,6 +425,7 @@ def test_command_help_names_every_command(capsys):
         ("prepare", ["--from", "--out", "--val-fraction", "--label-column"]),
         ("inspect", ["path"]),
         ("evaluate", ["checkpoint", "--device", "--json"]),
+        ("checkpoint", ["consolidate"]),
         ("report", ["RUN_DIR", "--verbose"]),
         ("status", ["--address"]),
         ("slurm", ["TRAINER FLAGS", "sbatch"]),
@@ -437,7 +448,7 @@ def test_command_without_a_known_command_is_one_line_naming_them(capsys, args, w
     code, out, err = command_main(args, capsys)
     assert code == 2 and not out and err.count("\n") == 1
     assert err.startswith("error: ") and what in err
-    assert "choose one of: train, prepare, inspect, evaluate, report, status, slurm" in err
+    assert "choose one of: train, prepare, inspect, evaluate, checkpoint, report, status, slurm" in err
 
 
 @pytest.mark.parametrize("args", [["--num-workers", "0"], ["--num-gpus", "2"], ["--epochs", "three"]])

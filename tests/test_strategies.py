@@ -101,11 +101,12 @@ def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step(ray_addres
 
 
 # ------------------------------------------------------------------ FSDP
-def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_address, tmp_path):
+def test_fsdp_trains_the_transformer_and_its_sharded_checkpoint_reshards_and_consolidates(ray_address, tmp_path):
     """fp32: this CPU has no bf16 units (emulated bf16 is several times slower); bf16 x FSDP runs in the flag
-    matrix (tests/test_flag_matrix.py)."""
+    matrix (tests/test_flag_matrix.py). FSDP's checkpoints are sharded by default, written in the background."""
     from raytrain_ddp import fit
     from raytrain_ddp.evaluate import evaluate_checkpoint
+    from raytrain_ddp.worker.checkpoint import consolidate
 
     settings = dict(
         model="transformer",
@@ -136,14 +137,28 @@ def test_fsdp_trains_the_transformer_and_its_checkpoint_is_a_plain_model(ray_add
     assert result.summary["checkpoints_ranked_by"] == "val_loss (min)"
     assert result.summary["best_metrics"]["val_loss"] == min(first["val_loss"], last["val_loss"])
 
-    # The gathered checkpoint is a plain state dict: a single-process model gives the same numbers.
+    # Sharded (the default for FSDP, as config.toml records): each rank wrote its shards, none gathered them;
+    # both epochs' checkpoints counted by Ray Train, the last one waited for before the run ended.
+    assert 'checkpoint_format = "sharded"' in (result.run_dir / "config.toml").read_text()
+    best, latest = Path(result.best_checkpoint), Path(result.summary["latest_checkpoint"])
+    assert len([path for path in result.run_dir.glob("checkpoint_*") if path.is_dir()]) == 2
+    for checkpoint in (best, latest):
+        assert sorted(p.name for p in (checkpoint / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert not (checkpoint / "checkpoint.pt").exists()
+    # A single-process model gives the same numbers, from the shards or from their consolidated file.
     scored = evaluate_checkpoint(result.best_checkpoint)
     assert scored["val_loss"] == pytest.approx(last["val_loss"], rel=1e-3)
     assert scored["val_rows"] == 128
+    consolidated = consolidate(latest, tmp_path / "consolidated")
+    assert evaluate_checkpoint(str(consolidated))["val_loss"] == evaluate_checkpoint(str(latest))["val_loss"]
 
-    # Continue the same run on ONE worker: the full state dict reshards to any world size.
+    # Continue the same run on ONE worker, its latest checkpoint's shard truncated: set aside, the one before
+    # (epoch 1's, written by 2 ranks) reshards onto 1.
+    shard = latest / "shards" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
     resumed = fit(_config(tmp_path, "fsdp-lm", epochs=3, num_workers=1, **settings))
     assert resumed.ok, resumed.summary["error"]
+    assert (result.run_dir / "corrupt" / latest.name / "shards").is_dir()
     assert [r["epoch"] for r in _records(resumed.run_dir)] == [1, 2, 3]
     assert resumed.epochs[-1]["samples_per_rank"] == [1024]
     assert resumed.epochs[-1]["val_loss"] < last["val_loss"]

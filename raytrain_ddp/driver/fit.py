@@ -40,7 +40,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
-from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE
+from raytrain_ddp.worker.checkpoint import entry_point
 from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
 from raytrain_ddp.worker.profile import PROFILE_DIR
@@ -492,7 +492,7 @@ def _summary(
     scored = [pair for pair in pairs if math.isfinite(pair[1].get(metric, math.inf))]
     if scored:
         checkpoint, best_metrics = (max if mode == "max" else min)(scored, key=lambda pair: pair[1][metric])
-        best_checkpoint = os.path.join(checkpoint.path, CHECKPOINT_FILE)
+        best_checkpoint = entry_point(checkpoint.path)
     checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:
         error = f"watchdog: {recorder.hangs[-1]} -> {error}"
@@ -503,7 +503,7 @@ def _summary(
         "status": "failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
         "error": error,
         "stop_reason": stop_reason if stopped else None,
-        "resume_checkpoint": os.path.join(latest.path, CHECKPOINT_FILE) if stopped and latest else None,
+        "resume_checkpoint": entry_point(latest.path) if stopped and latest else None,
         "name": config.name,
         "run_dir": str(recorder.run_dir),
         "epochs_completed": len(epochs),
@@ -520,7 +520,7 @@ def _summary(
         "best_checkpoint": best_checkpoint,
         "best_metrics": best_metrics,
         "checkpoints_ranked_by": f"{metric} ({mode})",
-        "latest_checkpoint": os.path.join(latest.path, CHECKPOINT_FILE) if latest else None,
+        "latest_checkpoint": entry_point(latest.path) if latest else None,
         "samples_per_second": _mean_of(epochs, "samples_per_second"),
         "model_tflops_per_second": _mean_of(epochs, "model_tflops_per_second"),
         "mfu": _mean_of(epochs, "mfu"),

@@ -22,7 +22,14 @@ from pathlib import Path
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError, headline
-from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, load_file
+from raytrain_ddp.worker.checkpoint import (
+    CHECKPOINT_FILE,
+    TRAINING_STATE_FILE,
+    entry_point,
+    is_sharded,
+    load_file,
+    shard_problem,
+)
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -39,21 +46,28 @@ REQUIRED_KEYS = (
     "config",
     "data_spec",
 )
+SHARDED_KEYS = ("model", "optimizer")  # in a sharded checkpoint's shards/, not in its training_state.pt
 CORRUPT_DIR = "corrupt"
 
 
 def read_verified(checkpoint_dir: Path) -> tuple[dict | None, str | None]:
-    """(state, None) when the checkpoint loads and has what a resume needs, else (None, why not)."""
-    path = checkpoint_dir / CHECKPOINT_FILE
+    """(state, None) when the checkpoint loads and has what a resume needs, else (None, why not).
+
+    A sharded checkpoint's state comes without the model and optimizer, once its shards are all there
+    and whole (read from DCP's index, not loaded)."""
+    sharded = is_sharded(checkpoint_dir)
+    path = checkpoint_dir / (TRAINING_STATE_FILE if sharded else CHECKPOINT_FILE)
     if not path.is_file():
-        return None, f"{CHECKPOINT_FILE} is missing"
+        return None, f"{path.name} is missing"
+    if sharded and (problem := shard_problem(checkpoint_dir)):
+        return None, problem
     try:
         state = load_file(path)
     except Exception as err:  # truncated, garbage, not a torch file: all mean "unusable"
         return None, f"it does not load ({headline(err)})"
     if not isinstance(state, dict):
         return None, f"it holds a {type(state).__name__}, not a checkpoint"
-    missing = [key for key in REQUIRED_KEYS if key not in state]
+    missing = [key for key in REQUIRED_KEYS if key not in state and not (sharded and key in SHARDED_KEYS)]
     return (None, f"keys missing: {', '.join(missing)}") if missing else (state, None)
 
 
@@ -84,7 +98,7 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
             break
         log.error(
             "Checkpoint %s is corrupt (%s): moved to %s/; resuming from the one before it",
-            run_dir / name / CHECKPOINT_FILE,
+            entry_point(run_dir / name),
             why,
             run_dir / CORRUPT_DIR,
         )

@@ -1,6 +1,12 @@
-"""Checkpoints: written by rank zero, one `checkpoint.pt` per Ray Train checkpoint.
+"""Checkpoints, in one of two formats (``--checkpoint-format``), one directory per Ray Train checkpoint.
 
-The file holds only tensors and plain Python values, so it loads with
+**full** (DDP's default): rank zero gathers and writes one ``checkpoint.pt``.
+**sharded** (FSDP's default): ``shards/`` holds a ``torch.distributed.checkpoint`` (DCP) checkpoint of the
+model and optimizer, every rank writing its own shards in parallel (``__RANK_0.distcp``; ``.metadata``,
+written last, indexes them), and ``training_state.pt``, written by rank zero, everything else. It loads at
+any world size (DCP reshards on load); :func:`consolidate` turns it into the full format.
+
+``checkpoint.pt`` holds only tensors and plain Python values, so it loads with
 ``torch.load(path, weights_only=True)``:
 
 * ``model``, ``optimizer``: full (unsharded) state dicts, keyed by parameter
@@ -14,19 +20,35 @@ The file holds only tensors and plain Python values, so it loads with
   at other world sizes before a resize (empty but after one; absent in old files);
 * ``rng``: torch's random state (the same on every rank: all were seeded alike);
 * ``metrics``, ``config``, ``data_spec``: what it scored and what produced it.
+
+``training_state.pt`` holds the same keys but ``model`` and ``optimizer`` (which are ``shards/``'s
+``model`` and ``optimizer``, keyed alike), and ``format: "sharded"``.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import os
 import tempfile
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray.train
 import torch
-from ray.train import Checkpoint
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ray.train import Checkpoint, CheckpointUploadMode
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from raytrain_ddp.errors import ConfigError
 
 CHECKPOINT_FILE = "checkpoint.pt"
+SHARDS_DIR = "shards"  # a sharded checkpoint's DCP directory
+TRAINING_STATE_FILE = "training_state.pt"  # a sharded checkpoint's non-sharded state
 
 
 @dataclass
@@ -57,6 +79,15 @@ def save(
     state = {
         "model": model_state,
         "optimizer": optimizer_state,
+        **plain_state(training_state, position, metrics, run_info),
+    }
+    _save_atomic(state, Path(directory) / CHECKPOINT_FILE)
+    return Checkpoint.from_directory(directory)
+
+
+def plain_state(training_state: dict, position: Position, metrics: dict, run_info: dict) -> dict:
+    """Everything a checkpoint holds but the model and optimizer state."""
+    return {
         **training_state,
         "epoch": position.epoch,
         "step_in_epoch": position.step_in_epoch,
@@ -66,26 +97,86 @@ def save(
         "metrics": metrics,
         **run_info,
     }
-    tmp_path = os.path.join(directory, CHECKPOINT_FILE + ".tmp")
+
+
+def _save_atomic(state: dict, path: Path) -> None:
+    tmp_path = path.with_name(path.name + ".tmp")
     torch.save(state, tmp_path)
-    os.replace(tmp_path, os.path.join(directory, CHECKPOINT_FILE))  # never a half-written file
-    return Checkpoint.from_directory(directory)
+    os.replace(tmp_path, path)  # never a half-written file
+
+
+def is_sharded(directory: str | Path) -> bool:
+    return (Path(directory) / TRAINING_STATE_FILE).exists() or (Path(directory) / SHARDS_DIR).is_dir()
+
+
+def entry_point(directory: str | Path) -> str:
+    """What a user hands `evaluate` or --resume-from: the full format's checkpoint.pt, a sharded one's directory."""
+    return str(directory) if is_sharded(directory) else os.path.join(directory, CHECKPOINT_FILE)
+
+
+def new_checkpoint_name() -> str:
+    """A directory name for a sharded checkpoint, in Ray Train's own pattern (rank zero's clock)."""
+    return "checkpoint_" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
 
 
 def load_file(path: str | Path) -> dict:
-    """Read a checkpoint file or a checkpoint directory."""
+    """Read a checkpoint file or a checkpoint directory; a sharded one's state without the model and optimizer."""
     path = Path(path)
     if path.is_dir():
-        path = path / CHECKPOINT_FILE
+        path = path / (TRAINING_STATE_FILE if is_sharded(path) else CHECKPOINT_FILE)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def shard_problem(directory: str | Path) -> str | None:
+    """Why a sharded checkpoint's shards cannot be read (index unreadable, a shard missing or short), else None."""
+    shards = Path(directory) / SHARDS_DIR
+    try:
+        metadata = FileSystemReader(str(shards)).read_metadata()
+    except Exception as err:  # missing, truncated, not DCP's: all mean "unusable"
+        return f"{SHARDS_DIR}/.metadata does not load ({type(err).__name__})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = shards / name
+        if not path.is_file():
+            return f"shard {SHARDS_DIR}/{name} is missing"
+        if path.stat().st_size < size:
+            return f"shard {SHARDS_DIR}/{name} is truncated ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
 def load(checkpoint: Checkpoint) -> dict:
-    """The state in a Ray Train checkpoint, read on this worker."""
+    """The state in a Ray Train checkpoint, read on this worker. A sharded one's model and optimizer stay on
+    storage: ``state["shards"]`` says where (the checkpoint lives on the run's filesystem, so the path lasts)."""
     with checkpoint.as_directory() as directory:
         state = load_file(directory)
+        if is_sharded(directory):
+            state["shards"] = os.path.join(directory, SHARDS_DIR)
     torch.set_rng_state(state["rng"]["torch"])
     return state
+
+
+def consolidate(checkpoint_dir: str | Path, out: str | Path) -> Path:
+    """Write a sharded checkpoint as one full-format checkpoint: the new directory `out`, holding checkpoint.pt.
+
+    On one process, without a process group; the whole state is in memory once. Raises ConfigError when
+    `out` exists (nothing is overwritten)."""
+    out = Path(out)
+    target = out / CHECKPOINT_FILE
+    if out.exists():
+        raise ConfigError(f"{out} already exists; consolidate writes a new file and overwrites nothing")
+    state = load_file(checkpoint_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".shards.tmp")
+    try:
+        dcp_to_torch_save(str(Path(checkpoint_dir) / SHARDS_DIR), str(tmp))
+        tensors = torch.load(tmp, map_location="cpu", weights_only=True)
+    finally:
+        tmp.unlink(missing_ok=True)
+    state.pop("format", None)
+    _save_atomic({"model": tensors["model"], "optimizer": tensors["optimizer"], **state}, target)
+    return target
 
 
 def position_of(state: dict) -> Position:
@@ -96,3 +187,80 @@ def position_of(state: dict) -> Position:
 def scratch_dir() -> tempfile.TemporaryDirectory:
     """Where rank zero stages a checkpoint before Ray Train persists it."""
     return tempfile.TemporaryDirectory(prefix="raytrain-ckpt-")
+
+
+def report_written(metrics: dict, directory: Path, rank: int) -> None:
+    """Ray Train's report of a checkpoint every rank wrote into `directory`, in the run directory: rank zero
+    names it (one checkpoint), nothing is copied (NO_UPLOAD). Every rank calls it: it is a barrier."""
+    ray.train.report(
+        metrics,
+        checkpoint=Checkpoint.from_directory(str(directory)) if rank == 0 else None,
+        checkpoint_dir_name=directory.name,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+    )
+
+
+@dataclass
+class _Pending:
+    future: Future
+    directory: Path
+    metrics: dict
+
+
+class ShardedSaver:
+    """Sharded checkpoints written in the background, straight into the run directory.
+
+    ``save`` stages this rank's shards in host memory (the one pause training takes), starts
+    ``dcp.async_save`` into RUN_DIR/checkpoint_DATE/shards/ and returns. The checkpoint is reported to Ray
+    Train (one checkpoint: rank zero reports the directory every rank wrote into, with NO_UPLOAD, as it
+    already lies in the run directory) once every rank's write is done: :meth:`flush`, called by the
+    training loop at the first stop check that finds every rank's :meth:`done_here`, else before the next
+    save or when the run ends. Until then Ray Train does not know it: a crash resumes from the one before.
+    DCP's collectives run on their own gloo group (in the writing thread; the next one waits for it), so
+    they never interleave with training's collectives, and async_save gets the CPU group it needs on GPUs.
+    """
+
+    def __init__(self, run_dir: str | Path, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
+        """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`)."""
+        self.run_dir, self.rank = Path(run_dir), rank
+        self.report = report or functools.partial(report_written, rank=rank)
+        self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
+        self.pending: _Pending | None = None
+
+    def save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict) -> None:
+        self.flush()  # one save in flight at a time
+        names = [new_checkpoint_name() if self.rank == 0 else None]
+        dist.broadcast_object_list(names, src=0, group=self.group)
+        directory = self.run_dir / names[0]
+        if self.rank == 0:
+            directory.mkdir()  # a new name: an existing directory is never written into
+            _save_atomic({**plain, "format": "sharded"}, directory / TRAINING_STATE_FILE)
+        future = dcp.async_save(
+            {"model": model_state, "optimizer": optimizer_state},
+            checkpoint_id=str(directory / SHARDS_DIR),
+            process_group=self.group,
+        )
+        self.pending = _Pending(future, directory, metrics)
+
+    def done_here(self) -> bool:
+        """This rank's write has finished (or nothing is pending)."""
+        return self.pending is None or self.pending.future.done()
+
+    def flush(self) -> None:
+        """Wait for the pending save, then report it (every rank: a Ray Train report is a barrier)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.future.result()
+        self.report(pending.metrics, pending.directory)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+
+def load_model_weights(checkpoint_dir: str | Path, model: torch.nn.Module) -> None:
+    """A sharded checkpoint's model weights into a plain model, on one process (DCP assembles the shards)."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(Path(checkpoint_dir) / SHARDS_DIR), no_dist=True)
+    model.load_state_dict(state["model"])

@@ -26,6 +26,7 @@ import ray
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
@@ -148,11 +149,17 @@ class Trainer:
         self.scaler = strategy.grad_scaler(config, device)
         self.loss_fn = make_loss_fn(config, plugins.get("loss_fn"))
         self.grad_norm: torch.Tensor | None = None  # the last optimizer step's, when computed
+        sharded = config.checkpoint_format == "sharded"
+        self.sharded_saver = ckpt.ShardedSaver(config.run_dir, dist.get_rank()) if sharded else None
 
     def restore(self, state: dict, resizable: bool) -> ckpt.Position:
         """Load a checkpoint; where it was taken mid-epoch at another world size, the epoch goes on with the
         rows not yet trained when `resizable` (the pipeline's own shards), else it starts over."""
-        strategy.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        if "shards" in state:  # a sharded checkpoint, from any world size
+            group = self.sharded_saver.group if self.sharded_saver else None
+            strategy.load_sharded_state(self.model, self.optimizer, state["shards"], group)
+        else:
+            strategy.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         position = ckpt.position_of(state)
@@ -214,19 +221,27 @@ class Trainer:
     def checkpoint(
         self, position: ckpt.Position, metrics: dict, run_info: dict, rank: int, stage: Callable[[int], None]
     ) -> None:
-        """Every rank gathers (FSDP shards meet on rank zero); rank zero writes; every rank reports.
+        """Full format: every rank gathers (FSDP shards meet on rank zero); rank zero writes; every rank
+        reports. Sharded: every rank stages its own shards and writes them in the background
+        (ckpt.ShardedSaver, which reports the previous checkpoint first when it is still pending).
 
         `stage(i)` is told each stage reached, an index into CHECKPOINT_STAGES (gathering first).
         """
+        training_state = {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "world_size": self.world_size,
+        }
+        if self.sharded_saver is not None:
+            model_state, optimizer_state = strategy.sharded_state(self.model, self.optimizer)
+            stage(CHECKPOINT_STAGES.index("saving"))
+            plain = ckpt.plain_state(training_state, position, metrics, run_info)
+            self.sharded_saver.save(model_state, optimizer_state, plain, metrics)
+            return
         model_state, optimizer_state = strategy.full_state(self.model, self.optimizer)
         stage(CHECKPOINT_STAGES.index("saving"))
         if rank == 0:
             with ckpt.scratch_dir() as directory:
-                training_state = {
-                    "scheduler": self.scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict(),
-                    "world_size": self.world_size,
-                }
                 checkpoint = ckpt.save(
                     directory, model_state, optimizer_state, training_state, position, metrics, run_info
                 )
@@ -350,7 +365,14 @@ class WorkerLoop:
         take a timed checkpoint; every --checkpoint-every-steps steps, an interval checkpoint."""
         step, checkpoint_due = self.position.global_step, False
         if step % STOP_CHECK_EVERY == 0:
-            stop, checkpoint_due = self.agreed(stop=self.heartbeat.stop_reason is not None, timed=self.minutes_due())
+            saver = self.trainer.sharded_saver
+            writing = saver is not None and saver.in_flight  # the same on every rank
+            stop, checkpoint_due, unfinished = all_ranks_agree(
+                (self.heartbeat.stop_reason is not None, self.minutes_due(), writing and not saver.done_here()),
+                self.device,
+            )
+            if writing and not unfinished:  # every rank's shards are written: Ray Train may count it now
+                saver.flush()
             if stop:
                 run.stop_reason = self.heartbeat.stop_reason or "another rank was asked to stop"
                 return True
@@ -483,23 +505,30 @@ class WorkerLoop:
         ray.get(self.monitor.worker_finished.remote(self.rank, parameter_checksum(strategy.unwrap(self.trainer.model))))
 
 
+def train_epochs(worker: WorkerLoop, position: ckpt.Position) -> bool:
+    """The epochs left; False when the run stopped early (with its checkpoint)."""
+    for epoch in range(position.epoch + 1, worker.config.epochs + 1):  # epochs count from 1
+        run = worker.train_epoch(epoch)
+        if run.stop_reason:
+            worker.stop_checkpoint(epoch, run)
+            return False
+        val_metrics = worker.validate(epoch, run)
+        worker.report_epoch(epoch, run, val_metrics)
+        worker.checkpoint(epoch, run, val_metrics)
+        if epoch < worker.config.epochs and worker.stop_agreed():
+            log.info(
+                "stopping after epoch %d: %s", epoch, worker.heartbeat.stop_reason or "another rank was asked to stop"
+            )
+            return False
+    return True
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     worker = WorkerLoop(loop_config)
     position = worker.resume()
     with worker.profile:  # a --profile-steps window the run ends inside is written on the way out
-        for epoch in range(position.epoch + 1, worker.config.epochs + 1):  # epochs count from 1
-            run = worker.train_epoch(epoch)
-            if run.stop_reason:
-                worker.stop_checkpoint(epoch, run)
-                return
-            val_metrics = worker.validate(epoch, run)
-            worker.report_epoch(epoch, run, val_metrics)
-            worker.checkpoint(epoch, run, val_metrics)
-            if epoch < worker.config.epochs and worker.stop_agreed():
-                log.info(
-                    "stopping after epoch %d: %s",
-                    epoch,
-                    worker.heartbeat.stop_reason or "another rank was asked to stop",
-                )
-                return
-    worker.finish()
+        completed = train_epochs(worker, position)
+    if worker.trainer.sharded_saver is not None:
+        worker.trainer.sharded_saver.flush()  # the run's last checkpoint, written and counted before it ends
+    if completed:
+        worker.finish()

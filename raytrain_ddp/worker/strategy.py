@@ -9,9 +9,11 @@ code runs on CPU with gloo and on GPUs with NCCL (Ray Train's own FSDP option
 refuses CPU training, so it is not used). FSDP shards each unit on the host and
 moves only the shard to the device, so the whole model never sits on one GPU.
 
-Either way, checkpoints hold a full, unsharded state dict (gathered on rank
-zero), so they load into a plain single-process model and resume on any
-number of workers.
+Checkpoints (raytrain_ddp/worker/checkpoint.py) hold either a full state dict,
+gathered on rank zero (``full_state``), or each rank's own shards, written by
+``torch.distributed.checkpoint`` (``sharded_state``; with DDP, whose
+parameters are replicated, DCP has rank zero write each tensor once). Either
+resumes on any number of workers.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -190,3 +194,20 @@ def load_full_state(
         optim_state_dict=optimizer_state,
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """This rank's model and optimizer state as DCP saves and loads it (FSDP: DTensor shards), keyed as
+    `full_state`'s. Every rank must call it; the optimizer's state exists after the first step (before
+    it, get_state_dict creates it, zeros, for a load to fill in)."""
+    return get_state_dict(unwrap(model), optimizer)
+
+
+def load_sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, shards: str, group: dist.ProcessGroup | None
+) -> None:
+    """Load a DCP checkpoint written at any world size: every rank reads the pieces of its own shards."""
+    model_state, optimizer_state = sharded_state(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=shards, process_group=group)
+    set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -1,0 +1,132 @@
+"""Full vs sharded-async checkpoints of FSDP on 2 CPU ranks (gloo): how long training is blocked per
+checkpoint, and rank zero's peak resident memory.
+
+    python -m bench.checkpoint_formats                 # the built-in transformer at dim 768, depth 8 (~60 M)
+    python -m bench.checkpoint_formats --dim 256 --depth 2 --saves 2   # a quick look
+
+Two processes per format run the project's own code (strategy.distribute, full_state + checkpoint.save on
+rank zero; sharded_state + ShardedSaver) without Ray: Ray Train's report is left out of both (full: the
+copy into the run directory comes on top). Between checkpoints each rank trains --steps AdamW steps, so a
+sharded write has that long to finish before the next checkpoint waits for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+VOCAB, LENGTH, BATCH = 256, 64, 4
+
+
+def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.models import TransformerLM
+    from raytrain_ddp.worker import checkpoint as ckpt
+    from raytrain_ddp.worker import strategy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = TransformerLM(VOCAB, LENGTH, dim=args["dim"], depth=args["depth"], heads=8)
+    parameters = sum(p.numel() for p in model.parameters())
+    model, _ = strategy.distribute(model, TrainConfig(strategy="fsdp"), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run_dir = Path(args["dir"]) / fmt
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saver = ckpt.ShardedSaver(run_dir, rank, report=lambda metrics, directory: None) if fmt == "sharded" else None
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            model(torch.randint(0, VOCAB, (BATCH, LENGTH))).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train(1)
+    baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss: KiB)
+    plain = ckpt.plain_state({"world_size": 2}, ckpt.Position(), {}, {})
+    blocked = []
+    for _ in range(args["saves"]):
+        dist.barrier()
+        started = time.perf_counter()
+        if saver is not None:
+            saver.save(*strategy.sharded_state(model, optimizer), plain, {})
+        else:
+            model_state, optimizer_state = strategy.full_state(model, optimizer)
+            if rank == 0:
+                directory = run_dir / ckpt.new_checkpoint_name()
+                directory.mkdir()
+                ckpt.save(str(directory), model_state, optimizer_state, {}, ckpt.Position(), {}, {})
+            del model_state, optimizer_state
+        blocked.append(time.perf_counter() - started)
+        train(args["steps"])
+    waited = time.perf_counter()
+    if saver is not None:
+        saver.flush()
+    final_wait = time.perf_counter() - waited
+    if rank == 0:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "format": fmt,
+                    "parameters": parameters,
+                    "blocked_s": blocked,
+                    "final_wait_s": final_wait,
+                    "rank0_rss_before_gib": baseline_rss,
+                    "rank0_peak_rss_gib": peak,
+                }
+            )
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(fmt: str, args: dict) -> dict:
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as scratch:
+        out = Path(scratch) / "result.json"
+        ranks = [
+            context.Process(target=_rank, args=(rank, fmt, {**args, "dir": scratch}, f"{scratch}/store", str(out)))
+            for rank in (0, 1)
+        ]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join()
+            if process.exitcode != 0:
+                raise SystemExit(f"{fmt}: a rank exited with {process.exitcode}")
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--saves", type=int, default=3, help="checkpoints per format")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps between checkpoints")
+    parser.add_argument("--json", help="also write the results here")
+    args = vars(parser.parse_args())
+    results = {fmt: measure(fmt, args) for fmt in ("full", "sharded")}
+    print(f"FSDP, 2 CPU ranks (gloo), transformer {results['full']['parameters'] / 1e6:.1f} M parameters, AdamW")
+    print("| format | blocked per checkpoint (s, median) | final wait (s) | rank 0 peak RSS (GiB; before: GiB) |")
+    print("|---|---|---|---|")
+    for fmt, r in results.items():
+        median = sorted(r["blocked_s"])[len(r["blocked_s"]) // 2]
+        print(
+            f"| {fmt} | {median:.2f} ({', '.join(f'{b:.2f}' for b in r['blocked_s'])}) | {r['final_wait_s']:.2f} "
+            f"| {r['rank0_peak_rss_gib']:.2f} ({r['rank0_rss_before_gib']:.2f}) |"
+        )
+    if args["json"]:
+        Path(args["json"]).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

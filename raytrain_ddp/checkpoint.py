@@ -1,0 +1,59 @@
+"""`python -m raytrain_ddp.checkpoint consolidate CHECKPOINT OUT`: a sharded checkpoint as one full file.
+
+Writes OUT/checkpoint.pt, the full format (raytrain_ddp/worker/checkpoint.py) that `evaluate`,
+`--resume-from` and a plain ``torch.load(..., weights_only=True)`` read, on one process, without Ray.
+OUT must not exist: nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from raytrain_ddp.driver.run_checkpoints import read_verified
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
+from raytrain_ddp.worker.checkpoint import consolidate, is_sharded
+
+
+def consolidate_checked(checkpoint: str, out: str) -> Path:
+    """Consolidate after checking both paths. Raises ConfigError."""
+    source = Path(checkpoint)
+    if not source.is_dir():
+        raise ConfigError(f"{checkpoint!r} is not a checkpoint directory")
+    if not is_sharded(source):
+        raise ConfigError(f"{checkpoint!r} is not a sharded checkpoint (a full one is already one file)")
+    if Path(out).exists():
+        raise ConfigError(f"{out!r} already exists; give a new directory (nothing is overwritten)")
+    _, why_not = read_verified(source)
+    if why_not:
+        raise ConfigError(f"{checkpoint!r} is not a usable checkpoint: {why_not}")
+    return consolidate(source, out)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.checkpoint") -> int:
+    """prog: the command's name in --help (`raytrain-ddp checkpoint` calls this too)."""
+    parser = OneLineErrorParser(
+        prog=prog,
+        description="Work with checkpoints on one process.",
+        epilog="examples:\n  %(prog)s consolidate runs/NAME/checkpoint_DATE runs/NAME/full",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    command = commands.add_parser(
+        "consolidate", help="write a sharded checkpoint as one full checkpoint.pt (what evaluate reads)"
+    )
+    command.add_argument("checkpoint", help="the sharded checkpoint's directory")
+    command.add_argument("out", help="a new directory, to hold checkpoint.pt")
+    args = parser.parse_args(argv)
+    try:
+        target = consolidate_checked(args.checkpoint, args.out)
+    except ConfigError as err:
+        return bad_input(err)
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
