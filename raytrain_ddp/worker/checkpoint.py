@@ -20,6 +20,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from ray.train import Checkpoint
@@ -67,11 +68,12 @@ def save(
     return Checkpoint.from_directory(directory)
 
 
-def load_file(path: str | Path) -> dict:
-    """Read a checkpoint file or a checkpoint directory."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_FILE
+def load_file(path: str | Path | BinaryIO) -> dict:
+    """Read a checkpoint file or a checkpoint directory (or a checkpoint's bytes, read from object storage)."""
+    if isinstance(path, str | Path):
+        path = Path(path)
+        if path.is_dir():
+            path = path / CHECKPOINT_FILE
     return torch.load(path, map_location="cpu", weights_only=True)
 
 

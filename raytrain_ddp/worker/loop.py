@@ -20,6 +20,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -76,6 +77,7 @@ def make_loss_fn(config: TrainConfig, loss_fn=None):
 def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -> None:
     """The ids this rank trained on this epoch, in order: RUN_DIR/sample_ids/epoch-E-rank-R.npy."""
     directory = config.run_dir / "sample_ids"
+    assert isinstance(directory, Path)  # config.validate refuses --record-sample-ids on object storage
     directory.mkdir(parents=True, exist_ok=True)
     np.save(directory / f"epoch-{epoch}-rank-{rank}.npy", np.concatenate(batches) if batches else np.empty(0, np.int64))
 
