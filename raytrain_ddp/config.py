@@ -487,7 +487,7 @@ def _timestamp() -> str:
 
 def _check_storage_path(storage_path: str) -> str:
     """Make the storage path absolute and prove it is writable, before Ray starts."""
-    where = storage.location(storage_path)  # an unknown scheme or option: ConfigError
+    where = storage.location(storage_path, "--storage-path")  # an unknown scheme or option: ConfigError
     if isinstance(where, storage.RemotePath):
         storage.check_remote(where)  # the server answers, the bucket exists
         return storage_path

@@ -41,7 +41,7 @@ def pick_device(name: str | None) -> torch.device:
 def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = None) -> dict:
     """Validation loss and accuracy of the checkpoint at `path` (file or directory) on `device`."""
     target = pick_device(device)
-    given = location(path)  # a local path, or a URI on object storage
+    given = location(path, "CHECKPOINT")  # a local path, or a URI on object storage
     if given.is_file() and given.name != CHECKPOINT_FILE:
         raise ConfigError(f"{path!r} is not a checkpoint: give a checkpoint directory or its {CHECKPOINT_FILE}")
     checkpoint_dir = given.parent if given.is_file() else given

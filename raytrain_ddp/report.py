@@ -87,7 +87,7 @@ def load_run(run_dir: RunPath | str) -> Run:
     """Read a run directory (local, or a URI on object storage). Raises ReportError when it is not one."""
     if isinstance(run_dir, str):
         try:
-            run_dir = location(run_dir)
+            run_dir = location(run_dir, "RUN_DIR")
         except ConfigError as err:
             raise ReportError(str(err)) from None
     if not run_dir.is_dir():

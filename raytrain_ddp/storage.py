@@ -41,9 +41,12 @@ class RemotePath:
         self.fs, self.scheme, self.path, self.query = fs, scheme, path.rstrip("/"), query
 
     @classmethod
-    def from_uri(cls, uri: str) -> RemotePath:
-        """Raises ConfigError for a URI pyarrow cannot open (an unknown scheme, a bad option)."""
-        fs, path = _filesystem(uri)
+    def from_uri(cls, uri: str, flag: str = "") -> RemotePath:
+        """Raises ConfigError (naming `flag`) for a URI pyarrow cannot open (an unknown scheme, a bad option)."""
+        try:
+            fs, path = _filesystem(uri)
+        except (ValueError, OSError) as err:  # ArrowInvalid is a ValueError
+            raise ConfigError(f"{flag} {redact(uri)!r}: pyarrow.fs cannot open it: {one_line(err)}".lstrip()) from None
         return cls(fs, urlsplit(uri).scheme, path, urlsplit(uri).query)
 
     # ------------------------------------------------------------------ pathlib's interface
@@ -149,17 +152,15 @@ RunPath = Path | RemotePath
 @functools.lru_cache(maxsize=16)
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     """One filesystem per storage URI and process (config.run_dir is asked for often)."""
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (ValueError, OSError) as err:  # ArrowInvalid is a ValueError
-        raise ConfigError(f"{redact(uri)!r} is not a storage URI pyarrow.fs can open: {one_line(err)}") from None
+    return pafs.FileSystem.from_uri(uri)
 
 
-def location(text: str | os.PathLike) -> RunPath:
-    """A storage path or run directory as the user gave it: a Path when local (file:// included), else remote."""
+def location(text: str | os.PathLike, flag: str = "") -> RunPath:
+    """A storage path or run directory as the user gave it (`flag`: the option, for errors): a Path when local
+    (file:// included), else remote."""
     if not is_uri(text):
         return Path(text)
-    remote = RemotePath.from_uri(str(text))
+    remote = RemotePath.from_uri(str(text), flag)
     if isinstance(remote.fs, pafs.LocalFileSystem):
         return Path(remote.path)
     return remote

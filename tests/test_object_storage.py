@@ -123,7 +123,7 @@ def test_the_run_lock_is_an_object_in_the_bucket(s3_server, tmp_path, monkeypatc
 @pytest.mark.parametrize(
     "storage, says",
     [
-        ("foo://bucket/runs", "is not a storage URI pyarrow.fs can open"),
+        ("foo://bucket/runs", "--storage-path 'foo://bucket/runs': pyarrow.fs cannot open it"),
         ("s3://no-such-bucket/runs?endpoint_override={endpoint}&scheme=http", "bucket 'no-such-bucket' does not exist"),
         ("s3://raytrain/runs?endpoint_override=http://127.0.0.1:9&scheme=http", "the storage cannot be reached"),
     ],

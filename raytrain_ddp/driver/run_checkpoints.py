@@ -142,5 +142,5 @@ def seed_new_run(config: TrainConfig, state: dict) -> None:
 
 def _resume_from(config: TrainConfig) -> RunPath:
     """--resume-from as a path: local (made absolute), or on object storage."""
-    given = location(config.resume_from or "")
+    given = location(config.resume_from or "", "--resume-from")
     return given.expanduser().resolve() if isinstance(given, Path) else given

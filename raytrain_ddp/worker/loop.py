@@ -258,7 +258,9 @@ class WorkerLoop:
             self.heartbeat.follow_compiles()
         self.trainer = Trainer(config, self.spec, device, plugins, world_size)
         self.feed = DeviceFeed(self.spec, device)
-        self.profile = StepProfile(config.profile_window, config.run_dir, self.rank, device)
+        # the run directory only when profiling: on object storage, opening it would cost a lookup on each worker
+        run_dir = config.run_dir if config.profile_window else None
+        self.profile = StepProfile(config.profile_window, run_dir, self.rank, device)
         self.train_shard = ray.train.get_dataset_shard("train")
         self.val_shard = ray.train.get_dataset_shard("val")
         self.position = ckpt.Position()

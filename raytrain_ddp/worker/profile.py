@@ -42,7 +42,9 @@ def top_ops_path(run_dir: Path, rank: int) -> Path:
 class StepProfile:
     """One rank's profile window. The loop tells it where it is; outside the window each call is a comparison."""
 
-    def __init__(self, window: tuple[int, int] | None, run_dir: RunPath, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, window: tuple[int, int] | None, run_dir: RunPath | None, rank: int, device: torch.device
+    ) -> None:
         self.window, self.run_dir, self.rank, self.device = window, run_dir, rank, device
         self.profiler: Any = None  # torch.profiler.profile while recording
         self.marker: Any = None  # the open "optimizer step N" range in the trace
