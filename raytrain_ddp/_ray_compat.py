@@ -28,6 +28,7 @@ import ray
 
 from raytrain_ddp.errors import ConfigError, one_line
 from raytrain_ddp.files import create_private, write_atomic
+from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -257,11 +258,11 @@ def wrapped_error(error: BaseException) -> BaseException | None:
 # Ray Train V2 hands the workers the snapshot's latest checkpoint when the same run starts again (its
 # resume_from_checkpoint argument is gone), so choosing the checkpoint a run resumes from means
 # editing the snapshot. Each edit is validated against the installed Ray's own schema when written.
-def has_snapshot(run_dir: Path) -> bool:
+def has_snapshot(run_dir: RunPath) -> bool:
     return (run_dir / SNAPSHOT_FILE).exists()
 
 
-def read_snapshot(run_dir: Path) -> dict | None:
+def read_snapshot(run_dir: RunPath) -> dict | None:
     path = run_dir / SNAPSHOT_FILE
     if not path.exists():
         return None
@@ -274,7 +275,7 @@ def read_snapshot(run_dir: Path) -> dict | None:
         ) from None
 
 
-def write_snapshot(run_dir: Path, state: dict) -> None:
+def write_snapshot(run_dir: RunPath, state: dict) -> None:
     """Write the snapshot atomically, after Ray's own schema has accepted it."""
     from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from raytrain_ddp import storage
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.storage import RunPath
 
 BUILTIN_MODELS = ("cnn", "resnet18", "resnet50", "mlp", "transformer")
 BUILTIN_DATASETS = ("synthetic", "synthetic-tabular", "synthetic-tokens")
@@ -282,8 +284,9 @@ class TrainConfig:
         return self.lr * (workers * self.grad_accum if self.scale_lr else 1)
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.storage_path) / self.name
+    def run_dir(self) -> RunPath:
+        """STORAGE_PATH/NAME: a Path, or a RemotePath on object storage (raytrain_ddp.storage)."""
+        return storage.location(self.storage_path) / self.name
 
     @property
     def profile_window(self) -> tuple[int, int] | None:
@@ -379,6 +382,14 @@ class TrainConfig:
                 "beside what Ray Train appends"
             )
         self.storage_path = _check_storage_path(self.storage_path)
+        if isinstance(self.run_dir, storage.RemotePath):
+            # the workers write these with local file APIs (torch.profiler's trace, np.save)
+            for wanted, flag in (
+                (self.profile_steps, "--profile-steps"),
+                (self.record_sample_ids, "--record-sample-ids"),
+            ):
+                if wanted:
+                    raise ConfigError(f"{flag} needs a local or shared-filesystem --storage-path, not object storage")
         return self
 
 
@@ -495,9 +506,11 @@ def _timestamp() -> str:
 
 def _check_storage_path(storage_path: str) -> str:
     """Make the storage path absolute and prove it is writable, before Ray starts."""
-    if "://" in storage_path:
-        return storage_path  # a remote filesystem: Ray Train checks it itself
-    path = Path(storage_path).expanduser().resolve()
+    where = storage.location(storage_path, "--storage-path")  # an unknown scheme or option: ConfigError
+    if isinstance(where, storage.RemotePath):
+        storage.check_remote(where)  # the server answers, the bucket exists
+        return storage_path
+    path = Path(where).expanduser().resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"

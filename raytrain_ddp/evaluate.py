@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -22,6 +21,7 @@ from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_input
 from raytrain_ddp.driver.run_checkpoints import read_verified
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 from raytrain_ddp.models import build_model
+from raytrain_ddp.storage import location
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, is_sharded, load_model_weights
 from raytrain_ddp.worker.loop import make_loss_fn
@@ -41,9 +41,10 @@ def pick_device(name: str | None) -> torch.device:
 def evaluate_checkpoint(path: str, batch_size: int = 256, device: str | None = None) -> dict:
     """Validation loss and accuracy of the checkpoint at `path` (file or directory, full or sharded) on `device`."""
     target = pick_device(device)
-    if Path(path).is_file() and Path(path).name != CHECKPOINT_FILE:
+    given = location(path, "CHECKPOINT")  # a local path, or a URI on object storage
+    if given.is_file() and given.name != CHECKPOINT_FILE:
         raise ConfigError(f"{path!r} is not a checkpoint: give a checkpoint directory or its {CHECKPOINT_FILE}")
-    checkpoint_dir = Path(path).parent if Path(path).is_file() else Path(path)
+    checkpoint_dir = given.parent if given.is_file() else given
     state, why_not = read_verified(checkpoint_dir)
     if state is None:
         raise ConfigError(f"{path!r} is not a usable checkpoint: {why_not}")

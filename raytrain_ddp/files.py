@@ -5,6 +5,7 @@ file, even when the writer is killed or the node loses power mid-write: the
 bytes go to a temporary file beside the target, are flushed and fsynced, and
 replace the target in one rename (atomic on POSIX filesystems, NFS and Lustre
 included); the directory is fsynced so the rename itself survives a crash.
+On object storage a single PUT is atomic: the object is written in one.
 """
 
 from __future__ import annotations
@@ -12,12 +13,23 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import overload
+
+from raytrain_ddp.storage import RemotePath
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write `data` (text as UTF-8) to `path` atomically; return the path."""
-    path = Path(path)
+@overload
+def write_atomic(path: RemotePath, data: str | bytes) -> RemotePath: ...
+@overload
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path: ...
+def write_atomic(path, data):
+    """Write `data` (text as UTF-8) to `path` atomically; return the path. On object storage (a RemotePath,
+    raytrain_ddp.storage) one PUT is atomic already."""
     payload = data.encode("utf-8") if isinstance(data, str) else data
+    if isinstance(path, RemotePath):
+        path.write_bytes(payload)
+        return path
+    path = Path(path)
     # Unique per writer: two processes writing the same file never share a temporary file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:

@@ -24,12 +24,12 @@ import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.errors import OneLineErrorParser, bad_input
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
+from raytrain_ddp.storage import RunPath, location
 from raytrain_ddp.worker.profile import PROFILE_DIR, TOP_OPS_GLOB
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class ReportError(Exception):
 
 @dataclass
 class Run:
-    run_dir: Path
+    run_dir: RunPath
     summary: dict  # {} when summary.json is missing (still running, or the driver died)
     epochs: list[dict]  # one record per epoch, sorted, last record wins for a repeated epoch
     config: dict | None  # None when config.toml is missing or unreadable
@@ -71,7 +71,7 @@ class Run:
         return max(lengths, default=0)
 
 
-def _read_optional(path: Path, parse, notes: list[str], if_unreadable: str, if_missing: str):
+def _read_optional(path: RunPath, parse, notes: list[str], if_unreadable: str, if_missing: str):
     """Parse a file the report can do without; say in `notes` why it is absent."""
     if not path.exists():
         notes.append(f"no {path.name}: {if_missing}")
@@ -83,9 +83,13 @@ def _read_optional(path: Path, parse, notes: list[str], if_unreadable: str, if_m
         return None
 
 
-def load_run(run_dir: Path | str) -> Run:
-    """Read a run directory. Raises ReportError when it is not one."""
-    run_dir = Path(run_dir)
+def load_run(run_dir: RunPath | str) -> Run:
+    """Read a run directory (local, or a URI on object storage). Raises ReportError when it is not one."""
+    if isinstance(run_dir, str):
+        try:
+            run_dir = location(run_dir, "RUN_DIR")
+        except ConfigError as err:
+            raise ReportError(str(err)) from None
     if not run_dir.is_dir():
         raise ReportError(f"run directory {run_dir} does not exist")
     metrics_path, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
@@ -115,17 +119,18 @@ def load_run(run_dir: Path | str) -> Run:
     return Run(run_dir, summary, epochs, config, notes, steps, profiles)
 
 
-def _read_profiles(run_dir: Path, notes: list[str]) -> dict[int, dict]:
+def _read_profiles(run_dir: RunPath, notes: list[str]) -> dict[int, dict]:
     """Each rank's table of top operators (the traces themselves are too big to read here)."""
     tables = {}
-    for path in sorted((run_dir / PROFILE_DIR).glob(TOP_OPS_GLOB)):
+    found: list[RunPath] = list((run_dir / PROFILE_DIR).glob(TOP_OPS_GLOB))
+    for path in sorted(found, key=str):
         table = _read_optional(path, json.loads, notes, "that rank's operators are not shown", "")
         if isinstance(table, dict) and isinstance(table.get("rank"), int) and isinstance(table.get("ops"), list):
             tables[table["rank"]] = table
     return dict(sorted(tables.items()))
 
 
-def _read_records(path: Path, key: str, notes: list[str]) -> list[dict]:
+def _read_records(path: RunPath, key: str, notes: list[str]) -> list[dict]:
     """A .jsonl file's records in `key` order; a key repeated after a restart: the last record counts."""
     by_key: dict[Any, dict] = {}
     if path.exists():
@@ -755,7 +760,7 @@ def render_html(run: Run, plots: list[Plot]) -> str:
     )
 
 
-def write_report(run_dir: Path | str) -> Path:
+def write_report(run_dir: RunPath | str) -> RunPath:
     """Write RUN_DIR/report/ (PNG plots and a self-contained index.html); return the index.html path.
 
     Raises ReportError when RUN_DIR is missing or is not a run directory.

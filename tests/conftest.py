@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
+
+S3_TEST_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "raytrain-test-key",
+    "AWS_SECRET_ACCESS_KEY": "raytrain-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +27,11 @@ def ray_address() -> str:
     import ray
 
     from raytrain_ddp.driver.preflight import init_ray
+
+    # Object storage credentials as a user exports them before starting Ray, so every Ray worker has them
+    # too: the S3-compatible test server (the `s3_server` fixture) takes any key
+    for key, value in S3_TEST_CREDENTIALS.items():
+        os.environ.setdefault(key, value)
 
     # "local": a new Ray of our own, never one that `ray start` left on this machine (the Slurm testbed's);
     # started as fit() starts one, so its workers know its address (RAY_ADDRESS)
@@ -66,3 +83,37 @@ def trained_run(ray_address, tmp_path_factory):
         )
     assert result.ok, result.summary.get("error")
     return result.run_dir
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible HTTP server on 127.0.0.1 (moto's server mode, a subprocess) holding an empty bucket
+    `raytrain`: its endpoint URL. The credentials come by environment (ray_address sets them up)."""
+    import pyarrow.fs as pafs
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for key, value in S3_TEST_CREDENTIALS.items():
+            os.environ.setdefault(key, value)
+        fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                fs.create_dir("raytrain")
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"the S3 test server did not start: {log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

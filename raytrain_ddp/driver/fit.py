@@ -40,6 +40,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
+from raytrain_ddp.storage import RemotePath, RunPath, Spool, display, uri_of
 from raytrain_ddp.worker.checkpoint import entry_point
 from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -55,6 +56,7 @@ for _logger in (log, progress_log):  # credentials inside URIs (--mlflow-uri, --
 # again. Right after a node dies Ray still counts it, so the first restart asks for too many workers:
 # this wait bounds how long an elastic run (--min-workers) takes to notice and start with fewer.
 WORKER_GROUP_PLACEMENT_WAIT_S = 30
+DRIVER_LOG = "driver.log"
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
     _ray_compat.PRINT_PATCH_ENV: "0",
@@ -70,7 +72,7 @@ class Interrupted(KeyboardInterrupt):
 class FitResult:
     """What a run left behind: its directory, summary and per-epoch records."""
 
-    run_dir: Path
+    run_dir: RunPath
     summary: dict
     epochs: list[dict]
 
@@ -187,18 +189,20 @@ def _describe_start(
     log.info("Run directory: %s", config.run_dir)
 
 
-def _log_to_console_and_file(run_dir: Path) -> logging.Handler:
-    """Console output for scripts and notebooks that set up no logging; a full log in the run dir."""
+def _log_to_console_and_file(run_dir: RunPath) -> tuple[logging.Handler, Spool]:
+    """Console output for scripts and notebooks that set up no logging; a full log in the run dir (on object
+    storage: written locally, uploaded when the run ends)."""
     if not logging.getLogger().handlers and not log.handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     log.setLevel(logging.INFO)
-    log_file = logging.FileHandler(run_dir / "driver.log")
+    spool = Spool(run_dir, fetch=(DRIVER_LOG,))
+    log_file = logging.FileHandler(spool.local / DRIVER_LOG)
     log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log_file.addFilter(RedactFilter())  # records of child loggers too (they skip the parent's own filters)
     log.addHandler(log_file)
     progress_log.setLevel(logging.INFO)
     progress_log.addHandler(log_file)
-    return log_file
+    return log_file, spool
 
 
 def _make_trainer(
@@ -312,7 +316,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     if config.use_gpu:
         preflight.check_gpus_usable(nodes)
     run_dir = run_directory.prepare(config)
-    log_file = _log_to_console_and_file(run_dir)
+    log_file, log_spool = _log_to_console_and_file(run_dir)
     try:
         _choose_start(config, run_dir, start_state)
         return _train(config, plan, run_dir, dashboard_url, nodes, start_workers, started, plugins, stop_signal)
@@ -320,9 +324,10 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
         log.removeHandler(log_file)
         progress_log.removeHandler(log_file)
         log_file.close()
+        log_spool.upload()
 
 
-def _choose_start(config: TrainConfig, run_dir: Path, start_state: dict | None) -> None:
+def _choose_start(config: TrainConfig, run_dir: RunPath, start_state: dict | None) -> None:
     """A run with checkpoints of its own continues from its newest good one; else --resume-from's."""
     if run_checkpoints.has_own_checkpoints(run_dir):
         resume_from = run_checkpoints.set_aside_corrupt_latest(run_dir)
@@ -337,7 +342,7 @@ def _choose_start(config: TrainConfig, run_dir: Path, start_state: dict | None) 
 def _train(
     config: TrainConfig,
     plan: DataPlan,
-    run_dir: Path,
+    run_dir: RunPath,
     dashboard_url: str | None,
     nodes: list[dict],
     start_workers: int,
@@ -425,7 +430,7 @@ def _train(
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
 
 
-def _warn_if_profile_cut(config: TrainConfig, run_dir: Path, recorder: RunRecorder) -> None:
+def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRecorder) -> None:
     """A finished run that ended before --profile-steps' last step: one line, the run stays finished."""
     if (window := config.profile_window) is None:
         return
@@ -447,7 +452,7 @@ def _warn_if_profile_cut(config: TrainConfig, run_dir: Path, recorder: RunRecord
         )
 
 
-def _finish(config: TrainConfig, run_dir: Path, summary: dict, report: bool) -> None:
+def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) -> None:
     """summary.json (whole, credentials masked), the link to Ray's logs, the report (not after a Ctrl-C):
     a report that fails is logged, never the run's outcome."""
     write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")
@@ -464,8 +469,10 @@ def _finish(config: TrainConfig, run_dir: Path, summary: dict, report: bool) -> 
             )
 
 
-def _link_ray_logs(run_dir: Path) -> None:
+def _link_ray_logs(run_dir: RunPath) -> None:
     """RUN_DIR/ray-logs -> this node's Ray session logs: Ray's own output, kept off the console."""
+    if isinstance(run_dir, RemotePath):
+        return  # object storage holds no links (and this node's logs are not there)
     session_dir = _ray_compat.session_dir()
     link = run_dir / "ray-logs"
     if session_dir and link.is_symlink():
@@ -492,7 +499,7 @@ def _summary(
     scored = [pair for pair in pairs if math.isfinite(pair[1].get(metric, math.inf))]
     if scored:
         checkpoint, best_metrics = (max if mode == "max" else min)(scored, key=lambda pair: pair[1][metric])
-        best_checkpoint = entry_point(checkpoint.path)
+        best_checkpoint = display(config.storage_path, entry_point(checkpoint.path))
     checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:
         error = f"watchdog: {recorder.hangs[-1]} -> {error}"
@@ -503,9 +510,9 @@ def _summary(
         "status": "failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
         "error": error,
         "stop_reason": stop_reason if stopped else None,
-        "resume_checkpoint": entry_point(latest.path) if stopped and latest else None,
+        "resume_checkpoint": display(config.storage_path, entry_point(latest.path)) if stopped and latest else None,
         "name": config.name,
-        "run_dir": str(recorder.run_dir),
+        "run_dir": uri_of(recorder.run_dir),
         "epochs_completed": len(epochs),
         "epochs_requested": config.epochs,
         "world_size": recorder.world_size,  # of the last attempt: elastic runs (--min-workers) may shrink
@@ -520,7 +527,7 @@ def _summary(
         "best_checkpoint": best_checkpoint,
         "best_metrics": best_metrics,
         "checkpoints_ranked_by": f"{metric} ({mode})",
-        "latest_checkpoint": entry_point(latest.path) if latest else None,
+        "latest_checkpoint": display(config.storage_path, entry_point(latest.path)) if latest else None,
         "samples_per_second": _mean_of(epochs, "samples_per_second"),
         "model_tflops_per_second": _mean_of(epochs, "model_tflops_per_second"),
         "mfu": _mean_of(epochs, "mfu"),

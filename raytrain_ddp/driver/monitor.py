@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -28,6 +27,7 @@ from raytrain_ddp.driver.console import Console
 from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, validation_results
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
+from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -99,7 +99,7 @@ class RunRecorder:
     gathers each epoch's messages from every rank into one record (metrics.jsonl, the sinks, a table row),
     and keeps the watchdog's view up to date (`liveness`). What the summary reports comes from here."""
 
-    def __init__(self, run_dir: Path, config: TrainConfig, train_rows: int, world_size: int, sinks: list) -> None:
+    def __init__(self, run_dir: RunPath, config: TrainConfig, train_rows: int, world_size: int, sinks: list) -> None:
         self.run_dir = run_dir
         self.config = config
         self.train_rows = train_rows

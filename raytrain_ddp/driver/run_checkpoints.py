@@ -16,12 +16,12 @@ raytrain_ddp._ray_compat, against the installed Ray's own schema):
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError, headline
+from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, open_for_read
 from raytrain_ddp.worker.checkpoint import (
     CHECKPOINT_FILE,
     TRAINING_STATE_FILE,
@@ -50,11 +50,11 @@ SHARDED_KEYS = ("model", "optimizer")  # in a sharded checkpoint's shards/, not 
 CORRUPT_DIR = "corrupt"
 
 
-def read_verified(checkpoint_dir: Path) -> tuple[dict | None, str | None]:
+def read_verified(checkpoint_dir: RunPath) -> tuple[dict | None, str | None]:
     """(state, None) when the checkpoint loads and has what a resume needs, else (None, why not).
 
     A sharded checkpoint's state comes without the model and optimizer, once its shards are all there
-    and whole (read from DCP's index, not loaded)."""
+    and whole (read from DCP's index, not loaded; sharded checkpoints are local: see config's check)."""
     sharded = is_sharded(checkpoint_dir)
     path = checkpoint_dir / (TRAINING_STATE_FILE if sharded else CHECKPOINT_FILE)
     if not path.is_file():
@@ -62,7 +62,7 @@ def read_verified(checkpoint_dir: Path) -> tuple[dict | None, str | None]:
     if sharded and (problem := shard_problem(checkpoint_dir)):
         return None, problem
     try:
-        state = load_file(path)
+        state = load_file(open_for_read(path))
     except Exception as err:  # truncated, garbage, not a torch file: all mean "unusable"
         return None, f"it does not load ({headline(err)})"
     if not isinstance(state, dict):
@@ -71,14 +71,14 @@ def read_verified(checkpoint_dir: Path) -> tuple[dict | None, str | None]:
     return (None, f"keys missing: {', '.join(missing)}") if missing else (state, None)
 
 
-def describe(checkpoint_dir: Path, state: dict) -> str:
+def describe(checkpoint_dir: RunPath, state: dict) -> str:
     """Where a checkpoint stands: "PATH (epoch E)", or "(epoch E, step S)" when taken mid-epoch."""
     step = f", step {state['step_in_epoch']}" if state.get("step_in_epoch") else ""
     return f"{checkpoint_dir} (epoch {state['epoch']}{step})"
 
 
 # ------------------------------------------------------------------ a resumed run
-def set_aside_corrupt_latest(run_dir: Path) -> str | None:
+def set_aside_corrupt_latest(run_dir: RunPath) -> str | None:
     """Make sure the checkpoint Ray Train will resume from loads; return what it is.
 
     Newest first, each checkpoint that does not load is logged, moved to
@@ -105,7 +105,7 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
         corrupt.append(name)
         if (run_dir / name).exists():
             (run_dir / CORRUPT_DIR).mkdir(exist_ok=True)
-            shutil.move(run_dir / name, run_dir / CORRUPT_DIR / name)
+            move_tree(run_dir / name, run_dir / CORRUPT_DIR / name)
     if not corrupt:
         return resume_from
     if not _ray_compat.drop_checkpoints(state, corrupt):
@@ -117,7 +117,7 @@ def set_aside_corrupt_latest(run_dir: Path) -> str | None:
 # ----------------------------------------------------------------- --resume-from
 def check_resume_from(config: TrainConfig, spec) -> dict:
     """The --resume-from checkpoint's state, once it is known to fit this run. Raises ConfigError."""
-    given = Path(config.resume_from).expanduser()
+    given = _resume_from(config)
     checkpoint_dir = given.parent if given.name == CHECKPOINT_FILE else given
     flag = f"--resume-from {config.resume_from!r}"
     if not given.exists():
@@ -140,15 +140,21 @@ def check_resume_from(config: TrainConfig, spec) -> dict:
     return state
 
 
-def has_own_checkpoints(run_dir: Path) -> bool:
+def has_own_checkpoints(run_dir: RunPath) -> bool:
     return _ray_compat.has_snapshot(run_dir)
 
 
 def seed_new_run(config: TrainConfig, state: dict) -> None:
     """Copy the --resume-from checkpoint into the new run and make it the latest one Ray Train hands out."""
-    given = Path(config.resume_from).expanduser().resolve()
+    given = _resume_from(config)
     source = given.parent if given.name == CHECKPOINT_FILE else given
     name = source.name if source.name.startswith("checkpoint_") else f"checkpoint_from_{source.name}"
-    shutil.copytree(source, config.run_dir / name)
+    copy_tree(source, config.run_dir / name)
     _ray_compat.write_snapshot(config.run_dir, _ray_compat.new_snapshot(name, state.get("metrics") or {}))
     log.info("Starting from checkpoint %s of run %s", describe(source, state), state["config"].get("name", "?"))
+
+
+def _resume_from(config: TrainConfig) -> RunPath:
+    """--resume-from as a path: local (made absolute), or on object storage."""
+    given = location(config.resume_from or "", "--resume-from")
+    return given.expanduser().resolve() if isinstance(given, Path) else given

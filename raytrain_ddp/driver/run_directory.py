@@ -14,13 +14,13 @@ import json
 import logging
 import os
 import tomllib
-from pathlib import Path
 
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.driver import run_checkpoints
 from raytrain_ddp.errors import ConfigError, one_line
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
+from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -54,7 +54,7 @@ def check(config: TrainConfig) -> None:
     _check_same_work(config, run_dir)
 
 
-def read_summary(run_dir: Path) -> dict:
+def read_summary(run_dir: RunPath) -> dict:
     """summary.json, or {} when there is none or it is cut short (it is written anew when this run ends)."""
     path = run_dir / "summary.json"
     if not path.exists():
@@ -69,7 +69,7 @@ def read_summary(run_dir: Path) -> dict:
     return summary
 
 
-def _check_same_work(config: TrainConfig, run_dir: Path) -> None:
+def _check_same_work(config: TrainConfig, run_dir: RunPath) -> None:
     path = run_dir / "config.toml"
     if not path.exists():
         return
@@ -109,7 +109,7 @@ def _normal(field: str, value):
     return value
 
 
-def prepare(config: TrainConfig) -> Path:
+def prepare(config: TrainConfig) -> RunPath:
     """Create the run directory, (re)write config.toml, keep the whole lines of a metrics.jsonl or steps.jsonl
     cut short."""
     run_dir = config.run_dir
@@ -120,7 +120,7 @@ def prepare(config: TrainConfig) -> Path:
     return run_dir
 
 
-def _repair_records(path: Path, key: str) -> None:
+def _repair_records(path: RunPath, key: str) -> None:
     if not path.exists():
         return
     kept, dropped = [], []

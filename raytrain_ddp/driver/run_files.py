@@ -4,15 +4,15 @@ recorded optimizer step), a line each."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from raytrain_ddp.files import write_atomic
+from raytrain_ddp.storage import RunPath, append_text
 
 
 class MetricsFile:
     """RUN_DIR/metrics.jsonl: read once when a run resumes, rewritten whole after every epoch."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: RunPath) -> None:
         self.path = run_dir / "metrics.jsonl"
 
     def read(self) -> dict[int, dict]:
@@ -30,7 +30,7 @@ class MetricsFile:
 class StepsFile:
     """RUN_DIR/steps.jsonl: appended to as each recorded step is in from every rank (a resumed run's kept)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: RunPath) -> None:
         self.path = run_dir / "steps.jsonl"
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         self.records = [json.loads(line) for line in lines if line.strip()]
@@ -43,5 +43,4 @@ class StepsFile:
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             return
         self.records.append(record)
-        with self.path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")

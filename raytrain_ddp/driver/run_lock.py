@@ -11,6 +11,11 @@ driver that died (SIGKILL, a lost node) is taken over only when it is stale:
   older than STALE_AFTER_S;
 * when it is this Slurm job's own, from before the job was requeued (same job
   id, lower SLURM_RESTART_COUNT): Slurm ended that incarnation before this one.
+
+On object storage (a RemotePath, raytrain_ddp.storage) there is no exclusive
+create through pyarrow.fs: the lock object is looked for, then written, so two
+drivers started within the same moment may both pass (logged as a warning).
+Its heartbeat is the time written inside it (`beat`), rewritten every HEARTBEAT_S.
 """
 
 from __future__ import annotations
@@ -19,15 +24,16 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import os
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.storage import RemotePath, RunPath
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -61,7 +67,7 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or _process_start(pid) in (None, start)
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: RunPath) -> dict | None:
     try:
         holder = json.loads(path.read_text())
     except FileNotFoundError:
@@ -71,16 +77,19 @@ def _read(path: Path) -> dict | None:
     return holder if isinstance(holder, dict) else {}
 
 
-def _heartbeat_age(path: Path) -> float:
+def _heartbeat_age(path: RunPath, holder: dict) -> float:
+    if isinstance(path, RemotePath):  # the object's own time is the server's: the beat inside it is ours
+        beat = holder.get("beat")
+        return time.time() - beat if isinstance(beat, int | float) else math.inf
     try:
         return time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return 0.0
 
 
-def why_stale(path: Path, holder: dict) -> str | None:
+def why_stale(path: RunPath, holder: dict) -> str | None:
     """Why the lock `holder` read from `path` may be taken over, or None while its driver may still run."""
-    age = _heartbeat_age(path)
+    age = _heartbeat_age(path, holder)
     job, theirs = _slurm_job(), holder.get("slurm_job")
     if job and isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == job[0] and theirs[1] < job[1]:
         return f"it is this Slurm job's (job {job[0]}) from before it was requeued"
@@ -102,13 +111,14 @@ def describe(holder: dict) -> str:
 class RunLock:
     """The lock of one run directory, held by this process."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: RunPath) -> None:
         self.run_dir = run_dir
         self.path = run_dir / LOCK_FILE
         self.created_dir = False
         self.token = secrets.token_hex(8)
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.holder: dict = {}  # what a remote lock holds, rewritten by each beat
 
     def acquire(self) -> None:
         """Take the lock, or raise ConfigError naming who holds it."""
@@ -134,12 +144,8 @@ class RunLock:
         self._drop_created_dir()
         raise ConfigError(f"run directory {self.run_dir}: could not take {self.path} (other drivers race for it)")
 
-    def _create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        holder = {
+    def _holder(self) -> dict:
+        return {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "pid_start": _process_start(os.getpid()),
@@ -147,6 +153,24 @@ class RunLock:
             "slurm_job": _slurm_job(),
             "token": self.token,
         }
+
+    def _create(self) -> bool:
+        if isinstance(self.path, RemotePath):
+            if self.path.exists():
+                return False
+            log.warning(
+                "%s is on object storage: the lock is looked for, then written (no exclusive create there), "
+                "so two drivers started at the same moment may both pass",
+                self.path,
+            )
+            self.holder = {**self._holder(), "beat": time.time()}
+            self.path.write_bytes(json.dumps(self.holder).encode() + b"\n")
+            return True
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        holder = self._holder()
         with os.fdopen(fd, "w") as file:
             file.write(json.dumps(holder) + "\n")
             file.flush()
@@ -155,6 +179,11 @@ class RunLock:
 
     def _take_over(self, holder: dict, why: str) -> None:
         """Move the stale lock aside; if what was moved is not the lock just judged stale, put it back."""
+        if isinstance(self.path, RemotePath):
+            if _read(self.path) == holder:
+                log.warning("Taking over %s left by %s: %s", self.path, describe(holder), why)
+                self.path.unlink(missing_ok=True)
+            return
         aside = self.path.with_name(f"{LOCK_FILE}.stale-{self.token}")
         try:
             os.rename(self.path, aside)
@@ -170,7 +199,11 @@ class RunLock:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):  # a filesystem hiccup: the next beat tries again
-                os.utime(self.path)
+                if isinstance(self.path, RemotePath):
+                    self.holder["beat"] = time.time()
+                    self.path.write_bytes(json.dumps(self.holder).encode() + b"\n")
+                else:
+                    os.utime(self.path)
 
     def release(self) -> None:
         self._stop.set()
@@ -187,7 +220,7 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def hold(run_dir: Path) -> Iterator[RunLock]:
+def hold(run_dir: RunPath) -> Iterator[RunLock]:
     """Hold the run directory's lock for the `with` block; ConfigError when another driver has it."""
     lock = RunLock(run_dir)
     lock.acquire()

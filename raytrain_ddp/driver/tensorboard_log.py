@@ -22,8 +22,9 @@ step/train_loss_min, step/train_loss_max, step/lr, step/samples_per_second.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
+
+from raytrain_ddp.storage import RunPath, Spool
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -98,14 +99,15 @@ def epoch_scalars(record: dict) -> dict[str, float]:
 class TensorBoardLog:
     """Writes each epoch record as TensorBoard scalars into RUN_DIR/tensorboard/."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: RunPath) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # torch is there; the tensorboard package is not
             raise ImportError(
                 f"TensorBoard logging needs the tensorboard package (pip install tensorboard): {err}"
             ) from err
-        self.log_dir = Path(run_dir) / TENSORBOARD_DIR
+        self._spool = Spool(run_dir / TENSORBOARD_DIR)  # on object storage: uploaded by close()
+        self.log_dir = self._spool.local
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
@@ -134,6 +136,7 @@ class TensorBoardLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            self._spool.upload()
 
     def __enter__(self) -> TensorBoardLog:
         return self

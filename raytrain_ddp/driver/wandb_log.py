@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import TrainConfig
@@ -20,13 +19,14 @@ from raytrain_ddp.driver.tensorboard_log import epoch_scalars, step_scalars
 from raytrain_ddp.driver.tracker import QueuedTracker
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
+from raytrain_ddp.storage import RemotePath, RunPath
 
 log = logging.getLogger("raytrain_ddp")
 
 ID_FILE = "wandb-run-id"
 
 
-def run_id(run_dir: Path) -> str:
+def run_id(run_dir: RunPath) -> str:
     """This run directory's W&B run id: made on its first start, read back when it resumes."""
     from wandb.sdk.lib.runid import generate_id
 
@@ -43,7 +43,7 @@ class WandbLog(QueuedTracker):
 
     label = "W&B"
 
-    def __init__(self, config: TrainConfig, run_dir: Path) -> None:
+    def __init__(self, config: TrainConfig, run_dir: RunPath) -> None:
         import wandb
 
         self.run_id = run_id(run_dir)
@@ -57,7 +57,8 @@ class WandbLog(QueuedTracker):
             reinit="create_new",  # never take over (or end) a W&B run of the caller's own, in a notebook
             # the driver's console stays the driver's (its live progress line); driver.log holds it
             settings=wandb.Settings(console="off"),
-            **({} if os.environ.get("WANDB_DIR") else {"dir": str(run_dir)}),
+            # on object storage wandb's files go to its default place (./wandb, or $WANDB_DIR)
+            **({} if os.environ.get("WANDB_DIR") or isinstance(run_dir, RemotePath) else {"dir": str(run_dir)}),
         )
         self._epoch_keys: set[str] = set()
         self._start(f"{config.wandb_entity}/{config.wandb_project}" if config.wandb_entity else config.wandb_project)

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import ray.train
 import torch
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.storage import RunPath, local_path
 
 CHECKPOINT_FILE = "checkpoint.pt"
 SHARDS_DIR = "shards"  # a sharded checkpoint's DCP directory
@@ -105,13 +107,16 @@ def _save_atomic(state: dict, path: Path) -> None:
     os.replace(tmp_path, path)  # never a half-written file
 
 
-def is_sharded(directory: str | Path) -> bool:
-    return (Path(directory) / TRAINING_STATE_FILE).exists() or (Path(directory) / SHARDS_DIR).is_dir()
+def is_sharded(directory: str | RunPath) -> bool:
+    """A sharded checkpoint's directory (a RemotePath on object storage is never one: config refuses it)."""
+    where = Path(directory) if isinstance(directory, str) else directory
+    return (where / TRAINING_STATE_FILE).exists() or (where / SHARDS_DIR).is_dir()
 
 
-def entry_point(directory: str | Path) -> str:
+def entry_point(directory: str | RunPath) -> str:
     """What a user hands `evaluate` or --resume-from: the full format's checkpoint.pt, a sharded one's directory."""
-    return str(directory) if is_sharded(directory) else os.path.join(directory, CHECKPOINT_FILE)
+    where = Path(directory) if isinstance(directory, str) else directory
+    return str(where) if is_sharded(where) else str(where / CHECKPOINT_FILE)
 
 
 def new_checkpoint_name() -> str:
@@ -119,17 +124,19 @@ def new_checkpoint_name() -> str:
     return "checkpoint_" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
 
 
-def load_file(path: str | Path) -> dict:
-    """Read a checkpoint file or a checkpoint directory; a sharded one's state without the model and optimizer."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / (TRAINING_STATE_FILE if is_sharded(path) else CHECKPOINT_FILE)
+def load_file(path: str | Path | BinaryIO) -> dict:
+    """Read a checkpoint file or a checkpoint directory (a sharded one's state without the model and
+    optimizer), or a checkpoint's bytes read from object storage."""
+    if isinstance(path, str | Path):
+        path = Path(path)
+        if path.is_dir():
+            path = path / (TRAINING_STATE_FILE if is_sharded(path) else CHECKPOINT_FILE)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def shard_problem(directory: str | Path) -> str | None:
+def shard_problem(directory: str | RunPath) -> str | None:
     """Why a sharded checkpoint's shards cannot be read (index unreadable, a shard missing or short), else None."""
-    shards = Path(directory) / SHARDS_DIR
+    shards = local_path(directory, "sharded checkpoints") / SHARDS_DIR
     try:
         metadata = FileSystemReader(str(shards)).read_metadata()
     except Exception as err:  # missing, truncated, not DCP's: all mean "unusable"
@@ -220,9 +227,9 @@ class ShardedSaver:
     they never interleave with training's collectives, and async_save gets the CPU group it needs on GPUs.
     """
 
-    def __init__(self, run_dir: str | Path, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
+    def __init__(self, run_dir: str | RunPath, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
         """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`)."""
-        self.run_dir, self.rank = Path(run_dir), rank
+        self.run_dir, self.rank = local_path(run_dir, "sharded checkpoints"), rank
         self.report = report or functools.partial(report_written, rank=rank)
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
         self.pending: _Pending | None = None
@@ -259,8 +266,9 @@ class ShardedSaver:
         return self.pending is not None
 
 
-def load_model_weights(checkpoint_dir: str | Path, model: torch.nn.Module) -> None:
+def load_model_weights(checkpoint_dir: str | RunPath, model: torch.nn.Module) -> None:
     """A sharded checkpoint's model weights into a plain model, on one process (DCP assembles the shards)."""
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(Path(checkpoint_dir) / SHARDS_DIR), no_dist=True)
+    shards = local_path(checkpoint_dir, "sharded checkpoints") / SHARDS_DIR
+    dcp.load(state, checkpoint_id=str(shards), no_dist=True)
     model.load_state_dict(state["model"])

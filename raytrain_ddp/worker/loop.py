@@ -20,6 +20,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -77,6 +78,7 @@ def make_loss_fn(config: TrainConfig, loss_fn=None):
 def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -> None:
     """The ids this rank trained on this epoch, in order: RUN_DIR/sample_ids/epoch-E-rank-R.npy."""
     directory = config.run_dir / "sample_ids"
+    assert isinstance(directory, Path)  # config.validate refuses --record-sample-ids on object storage
     directory.mkdir(parents=True, exist_ok=True)
     np.save(directory / f"epoch-{epoch}-rank-{rank}.npy", np.concatenate(batches) if batches else np.empty(0, np.int64))
 
@@ -287,7 +289,9 @@ class WorkerLoop:
             self.heartbeat.follow_compiles()
         self.trainer = Trainer(config, self.spec, device, plugins, world_size)
         self.feed = DeviceFeed(self.spec, device)
-        self.profile = StepProfile(config.profile_window, config.run_dir, self.rank, device)
+        # the run directory only when profiling: on object storage, opening it would cost a lookup on each worker
+        run_dir = config.run_dir if config.profile_window else None
+        self.profile = StepProfile(config.profile_window, run_dir, self.rank, device)
         self.train_shard = ray.train.get_dataset_shard("train")
         self.val_shard = ray.train.get_dataset_shard("val")
         self.position = ckpt.Position()

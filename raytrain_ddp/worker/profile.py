@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ddp.files import write_atomic
+from raytrain_ddp.storage import RunPath
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,9 @@ def top_ops_path(run_dir: Path, rank: int) -> Path:
 class StepProfile:
     """One rank's profile window. The loop tells it where it is; outside the window each call is a comparison."""
 
-    def __init__(self, window: tuple[int, int] | None, run_dir: Path, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, window: tuple[int, int] | None, run_dir: RunPath | None, rank: int, device: torch.device
+    ) -> None:
         self.window, self.run_dir, self.rank, self.device = window, run_dir, rank, device
         self.profiler: Any = None  # torch.profiler.profile while recording
         self.marker: Any = None  # the open "optimizer step N" range in the trace
@@ -78,6 +81,7 @@ class StepProfile:
             self.marker = None
         profiler, self.profiler = self.profiler, None
         profiler.stop()
+        assert isinstance(self.run_dir, Path)  # config.validate refuses --profile-steps on object storage
         trace = trace_path(self.run_dir, self.rank)
         partial = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")  # whole or not at all, as write_atomic
         profiler.export_chrome_trace(str(partial))
@@ -94,6 +98,7 @@ class StepProfile:
     def _start(self, step: int) -> None:
         import torch.profiler
 
+        assert isinstance(self.run_dir, Path)  # config.validate refuses --profile-steps on object storage
         (self.run_dir / PROFILE_DIR).mkdir(parents=True, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":

@@ -1,0 +1,265 @@
+"""Run directories on object storage: `--storage-path s3://bucket/prefix` (or any URI pyarrow.fs reads).
+
+A local storage path stays a `pathlib.Path` (everything works there exactly
+as before). A URI becomes a :class:`RemotePath`: the part of pathlib's
+interface the driver uses (``/``, ``name``, ``parent``, ``exists``,
+``read_text``, ``glob`` ...) over a ``pyarrow.fs`` filesystem, so the same
+code reads and writes a run directory in either place. On object storage a
+single PUT is atomic (a reader sees the old object or the new one), which is
+what `raytrain_ddp.files.write_atomic` promises locally with a rename.
+
+Credentials come from the environment, as pyarrow and Ray Train read them
+(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, or
+`?endpoint_override=...` in the URI): nothing is stored with the run.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
+
+import pyarrow.fs as pafs
+
+from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.redact import redact
+
+
+def is_uri(text: str | os.PathLike) -> bool:
+    return "://" in str(text)
+
+
+class RemotePath:
+    """A path on a pyarrow filesystem, spelled as a URI: ``s3://bucket/prefix/name[?query]``."""
+
+    def __init__(self, fs: pafs.FileSystem, scheme: str, path: str, query: str = "") -> None:
+        self.fs, self.scheme, self.path, self.query = fs, scheme, path.rstrip("/"), query
+
+    @classmethod
+    def from_uri(cls, uri: str, flag: str = "") -> RemotePath:
+        """Raises ConfigError (naming `flag`) for a URI pyarrow cannot open (an unknown scheme, a bad option)."""
+        try:
+            fs, path = _filesystem(uri)
+        except (ValueError, OSError) as err:  # ArrowInvalid is a ValueError
+            raise ConfigError(f"{flag} {redact(uri)!r}: pyarrow.fs cannot open it: {one_line(err)}".lstrip()) from None
+        return cls(fs, urlsplit(uri).scheme, path, urlsplit(uri).query)
+
+    # ------------------------------------------------------------------ pathlib's interface
+    def __truediv__(self, other: str) -> RemotePath:
+        return RemotePath(self.fs, self.scheme, f"{self.path}/{other}", self.query)
+
+    def __str__(self) -> str:
+        """As messages name it: without the query (options such as endpoint_override)."""
+        return f"{self.scheme}://{self.path}"
+
+    @property
+    def uri(self) -> str:
+        """The URI that opens it again (where the summary records a path)."""
+        return str(self) + (f"?{self.query}" if self.query else "")
+
+    def __repr__(self) -> str:
+        return f"RemotePath({redact(self.uri)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and self.uri == other.uri
+
+    def __hash__(self) -> int:
+        return hash(self.uri)
+
+    def __lt__(self, other: RemotePath) -> bool:  # sorted(glob(...))
+        return self.path < other.path
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.path).name
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self.fs, self.scheme, str(PurePosixPath(self.path).parent), self.query)
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+    def _type(self) -> pafs.FileType:
+        return self.fs.get_file_info(self.path).type
+
+    def exists(self) -> bool:
+        return self._type() != pafs.FileType.NotFound
+
+    def is_file(self) -> bool:
+        return self._type() == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        return self._type() == pafs.FileType.Directory
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def read_bytes(self) -> bytes:
+        try:
+            with self.fs.open_input_stream(self.path) as stream:
+                return stream.read()
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            if not self.exists():
+                raise FileNotFoundError(str(self)) from err
+            raise
+
+    def read_text(self, errors: str = "strict") -> str:
+        return self.read_bytes().decode("utf-8", errors=errors)
+
+    def write_bytes(self, data: bytes) -> None:
+        """One PUT: on object storage the object is replaced whole or not at all."""
+        with self.fs.open_output_stream(self.path) as stream:
+            stream.write(data)
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        self.fs.create_dir(self.path, recursive=True)  # object storage has no directories: nothing is made
+
+    def rmdir(self) -> None:
+        """Like os.rmdir: only an empty directory goes."""
+        if self.exists() and not list(self.iterdir()):
+            self.fs.delete_dir(self.path)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.fs.delete_file(self.path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def iterdir(self) -> list[RemotePath]:
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return [RemotePath(self.fs, self.scheme, info.path, self.query) for info in infos]
+
+    def glob(self, pattern: str) -> list[RemotePath]:
+        return [child for child in self.iterdir() if fnmatch.fnmatch(child.name, pattern)]
+
+    def mtime(self) -> float | None:
+        info = self.fs.get_file_info(self.path)
+        return info.mtime.timestamp() if info.mtime is not None else None
+
+
+RunPath = Path | RemotePath
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """One filesystem per storage URI and process (config.run_dir is asked for often)."""
+    return pafs.FileSystem.from_uri(uri)
+
+
+def location(text: str | os.PathLike, flag: str = "") -> RunPath:
+    """A storage path or run directory as the user gave it (`flag`: the option, for errors): a Path when local
+    (file:// included), else remote."""
+    if not is_uri(text):
+        return Path(text)
+    remote = RemotePath.from_uri(str(text), flag)
+    if isinstance(remote.fs, pafs.LocalFileSystem):
+        return Path(remote.path)
+    return remote
+
+
+def check_remote(storage: RemotePath, flag: str = "--storage-path") -> None:
+    """Before Ray starts: the server answers and the bucket (the path's first part) exists. Raises ConfigError."""
+    given = redact(storage.uri)
+    bucket = storage.path.split("/", 1)[0]
+    try:
+        found = storage.fs.get_file_info(bucket).type
+    except OSError as err:
+        raise ConfigError(f"{flag} {given!r}: the storage cannot be reached: {one_line(err)}") from None
+    if found == pafs.FileType.NotFound:
+        raise ConfigError(f"{flag} {given!r}: bucket {bucket!r} does not exist (create it first)")
+
+
+def local_path(where: str | RunPath, what: str) -> Path:
+    """`where` as a local Path; ConfigError for object storage, which `what` cannot use."""
+    if isinstance(where, RemotePath):
+        raise ConfigError(f"{where}: {what} need a filesystem every rank shares, not object storage")
+    return Path(where)
+
+
+def append_text(path: RunPath, text: str) -> None:
+    """Append to a file; object storage cannot append, so there the object is written anew, whole."""
+    if isinstance(path, Path):
+        with path.open("a") as file:
+            file.write(text)
+        return
+    before = path.read_bytes() if path.exists() else b""
+    path.write_bytes(before + text.encode("utf-8"))
+
+
+def open_for_read(path: RunPath) -> io.BytesIO | Path:
+    """Something torch.load (or np.load) can read: the local path itself, or the remote object's bytes."""
+    return path if isinstance(path, Path) else io.BytesIO(path.read_bytes())
+
+
+def move_tree(source: RunPath, target: RunPath) -> None:
+    """Move a directory (a checkpoint) within one storage; object storage copies, then deletes."""
+    if isinstance(source, Path) and isinstance(target, Path):
+        shutil.move(source, target)
+        return
+    assert isinstance(source, RemotePath)
+    copy_tree(source, target)
+    source.fs.delete_dir(source.path)
+
+
+def copy_tree(source: RunPath, target: RunPath) -> None:
+    """Copy a directory (a --resume-from checkpoint) into a run directory, either of them local or remote."""
+    if isinstance(source, Path) and isinstance(target, Path):
+        shutil.copytree(source, target)
+        return
+    (source_path, source_fs), (target_path, target_fs) = _fs_path(source), _fs_path(target)
+    pafs.copy_files(source_path, target_path, source_filesystem=source_fs, destination_filesystem=target_fs)
+
+
+def _fs_path(where: RunPath) -> tuple[str, pafs.FileSystem]:
+    return (str(where), pafs.LocalFileSystem()) if isinstance(where, Path) else (where.path, where.fs)
+
+
+def uri_of(where: RunPath) -> str:
+    """What opens `where` again: the local path, or the URI with its options."""
+    return str(where) if isinstance(where, Path) else where.uri
+
+
+def display(storage_path: str, fs_path: str) -> str:
+    """A path Ray Train reports inside the storage filesystem (no scheme) as the user can open it again."""
+    where = location(storage_path)
+    return fs_path if isinstance(where, Path) else RemotePath(where.fs, where.scheme, fs_path, where.query).uri
+
+
+class Spool:
+    """A local directory for writers that need one (logging's FileHandler, TensorBoard's event files).
+
+    Local runs write straight into the run directory. For a remote one the files
+    are written into a private temporary directory and uploaded into the run
+    directory by :meth:`upload` (the driver calls it when the run ends); a file
+    already there (a resumed run's driver.log) is fetched first so it goes on.
+    """
+
+    def __init__(self, target: RunPath, fetch: tuple[str, ...] = ()) -> None:
+        self.target = target
+        if isinstance(target, Path):
+            self.local = target
+            return
+        self.local = Path(tempfile.mkdtemp(prefix="raytrain-spool-"))
+        for name in fetch:
+            if (target / name).is_file():
+                (self.local / name).write_bytes((target / name).read_bytes())
+
+    def upload(self) -> None:
+        if isinstance(self.target, Path):
+            return
+        pafs.copy_files(
+            str(self.local),
+            self.target.path,
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=self.target.fs,
+        )
+        shutil.rmtree(self.local, ignore_errors=True)

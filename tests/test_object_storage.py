@@ -1,0 +1,139 @@
+"""`--storage-path s3://...` end to end, against a real S3-compatible server on 127.0.0.1 (moto's server mode).
+
+Every run file, the checkpoints, the resume, retention and the corrupt-checkpoint fallback go through
+pyarrow.fs to that server, and nothing lands in a local folder named after the scheme. One Ray run and its
+resume; the bad inputs fail before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+from support import REPO
+
+from raytrain_ddp.errors import ConfigError
+
+BUCKET = "raytrain"
+
+
+def _storage(endpoint: str, prefix: str) -> str:
+    return f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http"
+
+
+def _fs(endpoint: str) -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(endpoint_override=endpoint, scheme="http")
+
+
+def _read(fs: pafs.FileSystem, path: str) -> str:
+    with fs.open_input_stream(path) as stream:
+        return stream.read().decode()
+
+
+def _scheme_folders(*roots: Path) -> list[Path]:
+    """Local folders named after the scheme (`s3:`), the old bug: `Path("s3://b/p")` is `s3:/b/p`."""
+    return [found for root in roots for found in root.rglob("s3:*")]
+
+
+def _cli(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # run from another directory: nothing lands in the repo
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.ray
+def test_a_run_on_s3_writes_everything_there_and_resumes_past_a_corrupt_checkpoint(ray_address, s3_server, tmp_path):
+    storage, fs = _storage(s3_server, "runs"), _fs(s3_server)
+    run = f"{BUCKET}/runs/on-s3"
+    train = ["raytrain_ddp.run", "--address", ray_address, "--storage-path", storage, "--name", "on-s3"]
+    train += ["--train-size", "1024", "--val-size", "256", "--log-every-steps", "4"]
+    first = _cli(tmp_path, *train, "--epochs", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "driver.lock is on object storage" in first.stderr  # the lock's limit, said once
+
+    names = {info.base_name: info for info in fs.get_file_info(pafs.FileSelector(run))}
+    for name in ("config.toml", "metrics.jsonl", "steps.jsonl", "summary.json", "driver.log"):
+        assert names.get(name) and names[name].type == pafs.FileType.File, (name, sorted(names))
+    assert "driver.lock" not in names  # released
+    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2]
+    assert json.loads(_read(fs, f"{run}/steps.jsonl").splitlines()[0])["step"] == 4
+    assert "Run directory: s3://raytrain/runs/on-s3" in _read(fs, f"{run}/driver.log")
+    summary = json.loads(_read(fs, f"{run}/summary.json"))
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 2, summary
+    assert summary["latest_checkpoint"].startswith(f"s3://{run}/checkpoint_"), summary["latest_checkpoint"]
+    assert "<html" in _read(fs, f"{run}/report/index.html")
+    assert fs.get_file_info(pafs.FileSelector(f"{run}/tensorboard"))  # event files, uploaded at the end
+    checkpoints = sorted(name for name in names if name.startswith("checkpoint_2"))
+    assert len(checkpoints) == 2, sorted(names)
+    assert _scheme_folders(tmp_path, REPO) == []
+
+    # the report and evaluate read the run straight from the bucket, without Ray
+    rebuilt = _cli(tmp_path, "raytrain_ddp.report", summary["run_dir"])
+    assert rebuilt.returncode == 0 and rebuilt.stdout.strip() == f"s3://{run}/report/index.html", rebuilt.stderr
+
+    scored = _cli(tmp_path, "raytrain_ddp.evaluate", summary["best_checkpoint"], "--device", "cpu", "--json")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert json.loads(scored.stdout)["val_accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"])
+
+    # the newest checkpoint is cut short on the server: continuing the run sets it aside, resumes from epoch 1's
+    latest = f"{run}/{checkpoints[-1]}/checkpoint.pt"
+    with fs.open_input_stream(latest) as stream:
+        head = stream.read(1000)
+    with fs.open_output_stream(latest) as stream:
+        stream.write(head)
+    second = _cli(tmp_path, *train, "--epochs", "3")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Checkpoint s3://{run}/{checkpoints[-1]}/checkpoint.pt" in second.stderr, second.stderr[-3000:]
+    assert "is corrupt" in second.stderr and "(epoch 1)" in second.stderr, second.stderr[-3000:]
+    assert fs.get_file_info(f"{run}/corrupt/{checkpoints[-1]}/checkpoint.pt").type == pafs.FileType.File
+    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2, 3]
+    summary = json.loads(_read(fs, f"{run}/summary.json"))
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
+    # retention went through the server too: what is left is what Ray Train's snapshot keeps (best 2 + latest)
+    snapshot = json.loads(_read(fs, f"{run}/checkpoint_manager_snapshot.json"))
+    kept = {result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]}
+    left = {info.base_name for info in fs.get_file_info(pafs.FileSelector(run)) if info.base_name.startswith("checkp")}
+    assert left - {"checkpoint_manager_snapshot.json"} == kept and 1 < len(kept) <= 3, (left, kept)
+    assert f"{checkpoints[-1]}" not in kept
+    assert _scheme_folders(tmp_path, REPO) == []
+
+
+def test_the_run_lock_is_an_object_in_the_bucket(s3_server, tmp_path, monkeypatch):
+    """A second driver on the same run directory is refused; the lock lives in the bucket, not in a local `s3:`."""
+    from raytrain_ddp.driver import run_lock
+    from raytrain_ddp.storage import location
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = location(_storage(s3_server, "locks")) / "locked"
+    with run_lock.hold(run_dir):
+        holder = json.loads(_read(_fs(s3_server), f"{BUCKET}/locks/locked/driver.lock"))
+        assert holder["token"] and isinstance(holder["beat"], float)
+        with pytest.raises(ConfigError, match=r"is in use by process \d+ on host"):
+            run_lock.hold(run_dir).__enter__()
+    assert _fs(s3_server).get_file_info(f"{BUCKET}/locks/locked/driver.lock").type == pafs.FileType.NotFound
+    assert _scheme_folders(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "storage, says",
+    [
+        ("foo://bucket/runs", "--storage-path 'foo://bucket/runs': pyarrow.fs cannot open it"),
+        ("s3://no-such-bucket/runs?endpoint_override={endpoint}&scheme=http", "bucket 'no-such-bucket' does not exist"),
+        ("s3://raytrain/runs?endpoint_override=http://127.0.0.1:9&scheme=http", "the storage cannot be reached"),
+    ],
+)
+def test_bad_storage_fails_in_one_line_before_ray(s3_server, tmp_path, storage, says):
+    given = storage.format(endpoint=s3_server)
+    # an address where no Ray listens: connecting to Ray would fail too, but the storage is refused before that
+    args = ["--address", "127.0.0.1:9", "--storage-path", given, "--name", "bad", "--epochs", "1"]
+    done = _cli(tmp_path, "raytrain_ddp.run", *args, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr[-3000:]
+    assert _scheme_folders(tmp_path) == []
