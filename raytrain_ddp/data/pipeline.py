@@ -451,8 +451,9 @@ def rest_of_epoch_pieces(
 
     Each earlier part's ranks are replayed on row positions only (no data is read): what each trained is the
     start of its shard in its micro-batch order. The rows none of them trained, in the epoch's order, are split
-    as a whole epoch is: `rows // world_size` per rank, so over all parts every row of the epoch is trained
-    once (but for the last `rows % world_size`, fewer than the world size, as in any epoch).
+    as a whole epoch is: `rows // world_size` per rank, so over all parts no row of the epoch is trained
+    twice; each part's split leaves out fewer rows than its world size, as any epoch's does (those of an
+    earlier part are not trained later either: a known gap).
     """
     order = np.random.default_rng([config.seed, epoch]).permutation(len(unit_rows))
     units = np.repeat(order, [unit_rows[unit] for unit in order])  # the epoch's rows as (unit, row in unit)
