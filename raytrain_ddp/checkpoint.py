@@ -17,14 +17,13 @@ from raytrain_ddp.worker.checkpoint import consolidate, is_sharded
 
 
 def consolidate_checked(checkpoint: str, out: str) -> Path:
-    """Consolidate after checking both paths. Raises ConfigError."""
+    """Consolidate after checking the checkpoint (consolidate itself refuses an OUT that exists). Raises
+    ConfigError."""
     source = Path(checkpoint)
     if not source.is_dir():
         raise ConfigError(f"{checkpoint!r} is not a checkpoint directory")
     if not is_sharded(source):
         raise ConfigError(f"{checkpoint!r} is not a sharded checkpoint (a full one is already one file)")
-    if Path(out).exists():
-        raise ConfigError(f"{out!r} already exists; give a new directory (nothing is overwritten)")
     _, why_not = read_verified(source)
     if why_not:
         raise ConfigError(f"{checkpoint!r} is not a usable checkpoint: {why_not}")

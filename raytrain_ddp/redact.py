@@ -3,7 +3,7 @@
 `https://user:token@host`, `s3://KEY:SECRET@bucket/path` and query parameters
 such as `?token=...`, `access_key=...`, `X-Amz-Signature=...` are replaced by
 `***` wherever the driver writes text: config.toml, summary.json, the report,
-its logs and the MLflow parameters. Pass credentials through the environment
+its logs, the MLflow and W&B parameters and the config inside each checkpoint. Pass credentials through the environment
 (MLFLOW_TRACKING_TOKEN, AWS_SECRET_ACCESS_KEY, ...) instead.
 """
 
@@ -28,6 +28,11 @@ def redact(text: str) -> str:
     """`text` with every credential inside a URI masked; other text unchanged."""
     text = _USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
     return _SECRET_PARAM.sub(lambda m: f"{m['lead']}{MASK}", text)
+
+
+def redact_values(values: dict) -> dict:
+    """`values` with credentials masked in every string value (a config as files, trackers and checkpoints hold it)."""
+    return {key: redact(value) if isinstance(value, str) else value for key, value in values.items()}
 
 
 class RedactFilter(logging.Filter):

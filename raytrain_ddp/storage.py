@@ -26,12 +26,9 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
+from raytrain_ddp.data.paths import is_uri
 from raytrain_ddp.errors import ConfigError, one_line
 from raytrain_ddp.redact import redact
-
-
-def is_uri(text: str | os.PathLike) -> bool:
-    return "://" in str(text)
 
 
 class RemotePath:
@@ -158,7 +155,7 @@ def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
 def location(text: str | os.PathLike, flag: str = "") -> RunPath:
     """A storage path or run directory as the user gave it (`flag`: the option, for errors): a Path when local
     (file:// included), else remote."""
-    if not is_uri(text):
+    if not is_uri(str(text)):
         return Path(text)
     remote = RemotePath.from_uri(str(text), flag)
     if isinstance(remote.fs, pafs.LocalFileSystem):
@@ -185,16 +182,6 @@ def local_path(where: str | RunPath, what: str) -> Path:
     return Path(where)
 
 
-def append_text(path: RunPath, text: str) -> None:
-    """Append to a file; object storage cannot append, so there the object is written anew, whole."""
-    if isinstance(path, Path):
-        with path.open("a") as file:
-            file.write(text)
-        return
-    before = path.read_bytes() if path.exists() else b""
-    path.write_bytes(before + text.encode("utf-8"))
-
-
 def open_for_read(path: RunPath) -> io.BytesIO | Path:
     """Something torch.load (or np.load) can read: the local path itself, or the remote object's bytes."""
     return path if isinstance(path, Path) else io.BytesIO(path.read_bytes())
@@ -208,6 +195,14 @@ def move_tree(source: RunPath, target: RunPath) -> None:
     assert isinstance(source, RemotePath)
     copy_tree(source, target)
     source.fs.delete_dir(source.path)
+
+
+def remove_tree(where: RunPath) -> None:
+    """Delete a directory (an unfinished checkpoint) and all it holds."""
+    if isinstance(where, Path):
+        shutil.rmtree(where)
+    else:
+        where.fs.delete_dir(where.path)
 
 
 def copy_tree(source: RunPath, target: RunPath) -> None:

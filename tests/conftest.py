@@ -17,6 +17,13 @@ S3_TEST_CREDENTIALS = {
 }
 
 
+def _export_s3_credentials() -> None:
+    """The test server's credentials in the environment, as a user exports them (before Ray starts, so every Ray
+    worker has them too); the S3-compatible test server (the `s3_server` fixture) takes any key."""
+    for key, value in S3_TEST_CREDENTIALS.items():
+        os.environ.setdefault(key, value)
+
+
 @pytest.fixture(scope="session")
 def ray_address() -> str:
     """A real local Ray (3 logical CPUs: 2 workers + data loading), shared by the session.
@@ -28,10 +35,7 @@ def ray_address() -> str:
 
     from raytrain_ddp.driver.preflight import init_ray
 
-    # Object storage credentials as a user exports them before starting Ray, so every Ray worker has them
-    # too: the S3-compatible test server (the `s3_server` fixture) takes any key
-    for key, value in S3_TEST_CREDENTIALS.items():
-        os.environ.setdefault(key, value)
+    _export_s3_credentials()
 
     # "local": a new Ray of our own, never one that `ray start` left on this machine (the Slurm testbed's);
     # started as fit() starts one, so its workers know its address (RAY_ADDRESS)
@@ -101,8 +105,7 @@ def s3_server(tmp_path_factory):
         )
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        for key, value in S3_TEST_CREDENTIALS.items():
-            os.environ.setdefault(key, value)
+        _export_s3_credentials()
         fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True)
         deadline = time.monotonic() + 60
         while True:

@@ -8,6 +8,7 @@ import multiprocessing
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from support import run_cli
 
@@ -80,7 +81,10 @@ def _assert_same_state(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
 
 
 def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from raytrain_ddp.driver.run_checkpoints import read_verified
+    from raytrain_ddp.worker.checkpoint import consolidate
 
     (tmp_path / "run").mkdir()
     saved = _spawn(2, tmp_path, "save")
@@ -127,6 +131,9 @@ def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(t
     refused = run_cli("raytrain_ddp.checkpoint", "consolidate", str(truncated), str(tmp_path / "y"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "truncated" in refused.stderr
     assert not (tmp_path / "y").exists()
+    with pytest.raises(CheckpointException):  # past the checks, DCP's read fails: no half-made OUT blocks a retry
+        consolidate(truncated, tmp_path / "y")
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith((".y", "y"))) == []
     resumed = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), "--resume-from", str(truncated))
     assert resumed.returncode == 2 and "is not a usable checkpoint: shard shards/__1_0.distcp is truncated" in (
         resumed.stderr

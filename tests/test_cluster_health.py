@@ -57,11 +57,28 @@ def test_a_bad_check_timeout_is_one_line_naming_the_variable(value):
         health.netcheck_timeout({"RAYTRAIN_NETCHECK_TIMEOUT_S": value})
 
 
-def test_the_plan_carries_the_check_timeout():
+def test_requeues_without_blamed_nodes_are_capped():
+    """A hang that is the code's or the data's would otherwise be requeued again and again, a node fewer each
+    time: after RAYTRAIN_MAX_EXCLUDING_REQUEUES requeues (3 by default) the job ends instead, saying why."""
+    assert health.max_excluding_requeues({}) == health.MAX_EXCLUDING_REQUEUES == 3
+    assert health.max_excluding_requeues({"RAYTRAIN_MAX_EXCLUDING_REQUEUES": "0"}) == 0
+    limit = health.max_excluding_requeues({"RAYTRAIN_MAX_EXCLUDING_REQUEUES": "2"})
+    assert [health.why_not_requeued(restarts, limit) is None for restarts in range(4)] == [True, True, False, False]
+    assert health.why_not_requeued(2, 2) == (
+        "not requeued: the job has been requeued 2 time(s) already (RAYTRAIN_MAX_EXCLUDING_REQUEUES=2); "
+        "a failure that follows it to other nodes is the run's own"
+    )
+    for bad in ("-1", "1.5", "many", "1000"):
+        with pytest.raises(ValueError, match=r"^RAYTRAIN_MAX_EXCLUDING_REQUEUES="):
+            health.max_excluding_requeues({"RAYTRAIN_MAX_EXCLUDING_REQUEUES": bad})
+
+
+def test_the_plan_carries_the_check_timeout_and_the_requeue_cap():
     env = {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3", "RAYTRAIN_NETCHECK_TIMEOUT_S": "12"}
     kwargs = dict(head_ip="10.0.0.1", ports=plan.port_blocks(7, 1)[0], python="py", home="/h", fallback_cpus=1)
-    made = plan.job_plan(env, ["a", "b"], **kwargs)
-    assert made.netcheck_timeout_s == 12 and plan.JobPlan.from_json(made.to_json()) == made
+    made = plan.job_plan({**env, "RAYTRAIN_MAX_EXCLUDING_REQUEUES": "1"}, ["a", "b"], **kwargs)
+    assert made.netcheck_timeout_s == 12 and made.max_excluding_requeues == 1
+    assert plan.JobPlan.from_json(made.to_json()) == made
 
 
 def test_nodes_the_run_failed_on_come_from_the_summary():

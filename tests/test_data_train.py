@@ -104,28 +104,39 @@ CHECKPOINT_EVERY = 4  # optimizer steps
 DIES_AT = 11  # rank 1's process dies at this micro-batch of epoch 2, after 10 steps, the first time
 
 
+def _recording_config(tabular_data, runs: Path, name: str, **changes):
+    """A 2-worker run on the tabular data that records the ids its micro-batches saw and checkpoints every
+    CHECKPOINT_EVERY optimizer steps."""
+    import dataclasses
+
+    return dataclasses.replace(
+        _config(tabular_data),
+        record_sample_ids=True,
+        storage_path=str(runs),
+        name=name,
+        checkpoint_every_steps=CHECKPOINT_EVERY,
+        **changes,
+    )
+
+
+def _fit_losing_rank_1(config, epoch: int):
+    """fit(config), rank 1's process dying once at micro-batch DIES_AT of `epoch`."""
+    from raytrain_ddp import fit
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:DieOnce")
+        # 3 s: the checkpoints taken before count
+        env.setenv("RAYTRAIN_TEST_DIE_ONCE", f"{config.storage_path}:1:{epoch}:{DIES_AT}:3")
+        return fit(config)
+
+
 @pytest.fixture(scope="module")
 def recorded_run(ray_address, tabular_data, tmp_path_factory):
     """A real 2-worker fit that records, per epoch and rank, the ids its training steps saw. It checkpoints every
     CHECKPOINT_EVERY optimizer steps and loses rank 1's process once in epoch 2: Ray Train restarts the group
     from the latest (interval) checkpoint."""
-    import dataclasses
-
-    from raytrain_ddp import fit
-
-    runs = tmp_path_factory.mktemp("runs")
-    config = dataclasses.replace(
-        _config(tabular_data),
-        record_sample_ids=True,
-        storage_path=str(runs),
-        name="first",
-        checkpoint_every_steps=CHECKPOINT_EVERY,
-        num_to_keep=1,
-    )
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:DieOnce")
-        env.setenv("RAYTRAIN_TEST_DIE_ONCE", f"{runs}:1:2:{DIES_AT}:3")  # 3 s: the checkpoints before count
-        result = fit(config)
+    config = _recording_config(tabular_data, tmp_path_factory.mktemp("runs"), "first", num_to_keep=1)
+    result = _fit_losing_rank_1(config, epoch=2)
     assert result.ok, result.summary["error"]
     assert result.summary["restarts"] == 1, result.summary
     return result
@@ -214,19 +225,8 @@ def test_a_run_resumed_with_fewer_workers_trains_exactly_the_rows_its_epoch_had_
 
     from raytrain_ddp import fit
 
-    config = dataclasses.replace(
-        _config(tabular_data),
-        epochs=1,
-        record_sample_ids=True,
-        storage_path=str(tmp_path),
-        name="resized",
-        checkpoint_every_steps=CHECKPOINT_EVERY,
-        max_failures=0,
-    )
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:DieOnce")
-        env.setenv("RAYTRAIN_TEST_DIE_ONCE", f"{tmp_path}:1:1:{DIES_AT}:3")  # 3 s: the checkpoints before count
-        interrupted = fit(config)
+    config = _recording_config(tabular_data, tmp_path, "resized", epochs=1, max_failures=0)
+    interrupted = _fit_losing_rank_1(config, epoch=1)
     assert not interrupted.ok and interrupted.summary["epochs_completed"] == 0, interrupted.summary
     resumed = fit(dataclasses.replace(config, num_workers=1))
     assert resumed.ok, resumed.summary["error"]
@@ -307,9 +307,10 @@ def test_train_tasks_are_consecutive_pieces_of_about_task_bytes():
 
 @pytest.mark.parametrize("in_memory", [True, False], ids=["built-in", "streamed"])
 def test_a_resized_epoch_goes_on_with_exactly_the_rows_not_yet_trained(in_memory):
-    """An epoch begun by 3 ranks (5 optimizer steps), continued by 2 (4 steps), finished by 4: over the three
-    parts every row of the epoch is trained once, but for fewer than 4 left over (as any epoch drops fewer
-    than its world size). Each part's ranks read their pieces and shuffle them as host_batches does."""
+    """An epoch begun by 4 ranks (5 optimizer steps), continued by 3 (4 steps), finished by 2: over the three
+    parts every row of the epoch is trained once, but for the last split's remainder (as any epoch drops fewer
+    rows than its world size): earlier splits' remainders are trained later. Each part's ranks read their
+    pieces and shuffle them as host_batches does."""
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.data.pipeline import (
         SHUFFLE_BUFFER_ROWS,
@@ -342,10 +343,12 @@ def test_a_resized_epoch_goes_on_with_exactly_the_rows_not_yet_trained(in_memory
             order = np.concatenate([b["y"] for b in _window_shuffled(read, 16, SHUFFLE_BUFFER_ROWS, seed)])
         return order if steps is None else order[: steps * config.grad_accum * config.batch_size]
 
-    parts = [(3, 5), (2, 4), (4, None)]  # (world size, optimizer steps); the last part trains to the end
+    # (world size, optimizer steps); the last part trains to the end. 3039 rows: the first split leaves 3 out
+    parts = [(4, 5), (3, 4), (2, None)]
     trained = []
     for part, (world_size, steps) in enumerate(parts):
         earlier = tuple(parts[:part])
+        untrained = sum(unit_rows) - sum(map(len, trained))  # at the part's start; its split drops untrained % W
         for rank in range(world_size):
             if part == 0:
                 pieces = epoch_pieces(unit_rows, config.seed, epoch, rank, world_size)
@@ -355,7 +358,46 @@ def test_a_resized_epoch_goes_on_with_exactly_the_rows_not_yet_trained(in_memory
     ids = np.concatenate(trained)
     assert len(np.unique(ids)) == len(ids)  # nothing twice
     left_over = set(range(sum(unit_rows))) - set(ids)
-    assert len(left_over) < 4, len(left_over)  # and nothing missed but the last part's remainder
+    assert len(left_over) == untrained % parts[-1][0]  # and nothing missed but the last split's remainder
+
+
+def test_a_resize_with_another_seed_or_micro_batch_size_starts_the_epoch_over():
+    """The earlier parts of a resized epoch are replayed with this run's seed, batch size and grad_accum: where
+    the checkpoint's differ, the replay would pick the wrong rows, so the epoch starts over."""
+    import socket
+
+    import torch.distributed as dist
+
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.data.pipeline import synthetic_spec
+    from raytrain_ddp.worker import strategy
+    from raytrain_ddp.worker.loop import Trainer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        config = TrainConfig(model="mlp", dataset="synthetic-tabular", train_size=64, val_size=16, batch_size=4)
+        trainer = Trainer(config, synthetic_spec(config), torch.device("cpu"), {}, world_size=1)
+        model_state, optimizer_state = strategy.full_state(trainer.model, trainer.optimizer)
+        saved = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": trainer.scheduler.state_dict(),
+            "scaler": trainer.scaler.state_dict(),
+            "world_size": 2,
+            "epoch": 0,
+            "step_in_epoch": 3,
+            "global_step": 3,
+            "config": config.to_dict(),
+        }
+        assert trainer.restore(saved, resizable=True).earlier_parts == ((2, 3),)  # the same order: goes on
+        for change in ({"seed": 1}, {"batch_size": 8}, {"grad_accum": 2}):
+            changed = {**saved, "config": {**config.to_dict(), **change}}
+            assert trainer.restore(changed, resizable=True).earlier_parts == (), change
+    finally:
+        dist.destroy_process_group()
 
 
 def _image_folder(root: Path, per_class: int = 60) -> Path:

@@ -8,9 +8,11 @@ resume; the bad inputs fail before Ray starts.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -118,6 +120,28 @@ def test_the_run_lock_is_an_object_in_the_bucket(s3_server, tmp_path, monkeypatc
             run_lock.hold(run_dir).__enter__()
     assert _fs(s3_server).get_file_info(f"{BUCKET}/locks/locked/driver.lock").type == pafs.FileType.NotFound
     assert _scheme_folders(tmp_path) == []
+
+
+def test_a_run_lock_taken_over_is_not_beaten_over(s3_server, tmp_path, monkeypatch, caplog):
+    """A driver whose lock another driver took over (it hung past the stale limit) stops beating: its beat would
+    overwrite the other's lock object (or, locally, keep it looking fresh). It says so in one error line."""
+    from raytrain_ddp.driver import run_lock
+    from raytrain_ddp.storage import location
+
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.1)  # the cadence only: the lock's files are real
+    for where in (tmp_path / "local", location(_storage(s3_server, "takeover"))):
+        run_dir = where / "run"
+        with caplog.at_level(logging.ERROR, logger="raytrain_ddp"), run_lock.hold(run_dir) as lock:
+            theirs = {**lock._holder(), "token": "f" * 16, "pid": 1, "beat": time.time()}
+            lock.path.write_bytes(json.dumps(theirs).encode() + b"\n")
+            written = lock.path.read_bytes()
+            when = lock.path.stat().st_mtime if isinstance(lock.path, Path) else None
+            time.sleep(1.0)  # ten beats
+            assert lock.path.read_bytes() == written, where
+            assert when is None or lock.path.stat().st_mtime == when, where
+        assert f"{lock.path} was taken over by process 1 on host" in caplog.text, where
+        assert json.loads(lock.path.read_bytes())["token"] == "f" * 16, where  # release leaves the other's lock
+        caplog.clear()
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,10 @@ import sys
 import textwrap
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
+import torch
 from support import REPO, run_cli
 
 from raytrain_ddp.config import TrainConfig, to_toml
@@ -233,6 +235,40 @@ def test_a_checkpoint_snapshot_cut_short_is_one_line(tmp_path):
         run_checkpoints.set_aside_corrupt_latest(tmp_path)
 
 
+def test_checkpoints_ray_train_never_recorded_are_removed_when_unfinished_and_named_when_whole(tmp_path, caplog):
+    """A run that ended while a checkpoint was written leaves a directory Ray Train's snapshot does not list (and
+    its retention never deletes): when the run starts again, an unfinished one is removed, a whole one kept."""
+    from raytrain_ddp import _ray_compat
+    from raytrain_ddp.driver import run_checkpoints
+    from raytrain_ddp.worker import checkpoint as ckpt
+
+    config = _config(tmp_path)
+    run_info = {"config": config.to_dict(), "data_spec": {"kind": "images"}}
+
+    def whole(name: str) -> Path:
+        (tmp_path / name).mkdir()
+        training_state = {"scheduler": {}, "scaler": {}, "world_size": 1}
+        ckpt.save(str(tmp_path / name), {}, {}, training_state, ckpt.Position(1, 0, 4), {}, run_info)
+        return tmp_path / name
+
+    recorded, unreported = whole("checkpoint_2026-12-01_10-00-00.000000"), whole("checkpoint_2026-12-01_11-00-00.0")
+    _ray_compat.write_snapshot(tmp_path, _ray_compat.new_snapshot(recorded.name, {"epoch": 1}))
+    unfinished = tmp_path / "checkpoint_2026-12-01_12-00-00.000000"  # a sharded one whose ranks were writing
+    (unfinished / "shards").mkdir(parents=True)
+    (unfinished / "shards" / "__0_0.distcp").write_bytes(b"\0" * 64)
+    torch.save({"format": "sharded"}, unfinished / "training_state.pt")
+    (tmp_path / "checkpoint_notes.txt").write_text("a user's file, not a checkpoint directory")
+    with caplog.at_level(logging.WARNING, logger="raytrain_ddp"):
+        run_checkpoints.clear_unrecorded(tmp_path)
+    assert recorded.exists() and unreported.exists() and not unfinished.exists()
+    assert (tmp_path / "checkpoint_notes.txt").exists()
+    assert f"Removed unfinished checkpoint {unfinished} (" in caplog.text
+    assert f"Checkpoint {unreported} was written but never recorded" in caplog.text
+    assert str(recorded) not in caplog.text
+    snapshot = _ray_compat.read_snapshot(tmp_path)
+    assert _ray_compat.checkpoints_newest_first(snapshot) == [recorded.name]  # the snapshot is left as it was
+
+
 def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path):
     from raytrain_ddp.files import write_atomic
 
@@ -295,6 +331,20 @@ def test_config_toml_report_and_logs_hold_no_credentials(tmp_path, caplog):
     for text in ((run_dir / "config.toml").read_text(), page, caplog.text):
         assert "s3cr3t" not in text and "t0k3n" not in text and "wJalrXUtnFEMI" not in text
     assert 'mlflow_uri = "https://***@mlflow.example.com/?token=***"' in (run_dir / "config.toml").read_text()
+
+
+def test_a_checkpoint_holds_no_credentials(tmp_path):
+    """The config inside checkpoint.pt (and a sharded checkpoint's training_state.pt) is masked as config.toml is."""
+    from raytrain_ddp.worker import checkpoint as ckpt
+
+    config = _config(tmp_path, mlflow_uri=SECRET_URI, data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")
+    run_info = {"config": config.to_dict(), "data_spec": {"kind": "images"}}
+    ckpt.save(str(tmp_path), {}, {}, {"world_size": 1}, ckpt.Position(1, 0, 4), {}, run_info)
+    written = (tmp_path / ckpt.CHECKPOINT_FILE).read_bytes()
+    assert b"s3cr3t" not in written and b"t0k3n" not in written and b"wJalrXUtnFEMI" not in written
+    state = ckpt.load_file(tmp_path)
+    assert state["config"]["data"] == "s3://***@bucket/ds" and state["config"]["epochs"] == 2
+    assert run_info["config"]["data"] == config.data  # the run's own config is left as it is
 
 
 def test_mlflow_params_hold_no_credentials(tmp_path):

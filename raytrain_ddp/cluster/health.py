@@ -9,18 +9,46 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 NETCHECK_TIMEOUT_S = 30.0  # default of RAYTRAIN_NETCHECK_TIMEOUT_S: a few connections, seconds on a sane network
+# default of RAYTRAIN_MAX_EXCLUDING_REQUEUES: a failure that follows the job from node to node is not the nodes'
+MAX_EXCLUDING_REQUEUES = 3
+
+
+def _env_number(env: Mapping[str, str], name: str, default: float, high: float, meaning: str) -> float:
+    """The number in env[name] (default when unset or blank), 0..high. ValueError naming the variable."""
+    raw = env.get(name, "")
+    try:
+        value = float(raw) if raw.strip() else default
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= high:  # also NaN
+        raise ValueError(f"{name}={raw!r}: give {meaning} between 0 and {high:g}")
+    return value
 
 
 def netcheck_timeout(env: Mapping[str, str]) -> float:
     """RAYTRAIN_NETCHECK_TIMEOUT_S (0 turns the check off). ValueError naming the variable for a bad value."""
-    raw = env.get("RAYTRAIN_NETCHECK_TIMEOUT_S", "")
-    try:
-        value = float(raw) if raw.strip() else NETCHECK_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 3600:  # also NaN
-        raise ValueError(f"RAYTRAIN_NETCHECK_TIMEOUT_S={raw!r}: give seconds between 0 (no check) and 3600")
-    return value
+    return _env_number(env, "RAYTRAIN_NETCHECK_TIMEOUT_S", NETCHECK_TIMEOUT_S, 3600, "seconds (0: no check)")
+
+
+def max_excluding_requeues(env: Mapping[str, str]) -> int:
+    """RAYTRAIN_MAX_EXCLUDING_REQUEUES: how often a job may be requeued without nodes it failed on."""
+    value = _env_number(env, "RAYTRAIN_MAX_EXCLUDING_REQUEUES", MAX_EXCLUDING_REQUEUES, 100, "a whole number")
+    if value != int(value):
+        raise ValueError(f"RAYTRAIN_MAX_EXCLUDING_REQUEUES={env['RAYTRAIN_MAX_EXCLUDING_REQUEUES']!r}: a whole number")
+    return int(value)
+
+
+def why_not_requeued(restart_count: int, limit: int) -> str | None:
+    """None when the job may be requeued without the nodes blamed for its failure, else why not: after `limit`
+    requeues (SLURM_RESTART_COUNT counts every requeue, preemptions too) the failure is taken to be the run's
+    own (a collective deadlock, data that hangs a rank, a network broken everywhere), which more nodes
+    would not mend, and each requeue would take one node fewer."""
+    if restart_count < limit:
+        return None
+    return (
+        f"not requeued: the job has been requeued {restart_count} time(s) already "
+        f"(RAYTRAIN_MAX_EXCLUDING_REQUEUES={limit}); a failure that follows it to other nodes is the run's own"
+    )
 
 
 def blame(nodes: list[str], reports: Mapping[str, Mapping[str, str] | None]) -> tuple[list[str], list[str]]:

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Mapping
 
-from raytrain_ddp.cluster.health import netcheck_timeout
+from raytrain_ddp.cluster.health import MAX_EXCLUDING_REQUEUES, max_excluding_requeues, netcheck_timeout
 
 EXIT_BRINGUP = 3  # the Ray cluster could not be brought up (the log says which node and why)
 
@@ -286,6 +286,7 @@ class JobPlan:
     dashboard: bool
     module: str = "raytrain_ddp.run"
     netcheck_timeout_s: float = 0.0  # the nodes' network check before Ray starts (0: none)
+    max_excluding_requeues: int = MAX_EXCLUDING_REQUEUES  # requeues without the nodes a failure is blamed on
 
     @property
     def head(self) -> str:
@@ -343,4 +344,5 @@ def job_plan(
         dashboard=env.get("RAYTRAIN_DASHBOARD", "1") == "1",
         module=env.get("RAYTRAIN_MODULE") or "raytrain_ddp.run",
         netcheck_timeout_s=netcheck_timeout(env),
+        max_excluding_requeues=max_excluding_requeues(env),
     )

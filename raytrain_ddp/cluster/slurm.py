@@ -339,6 +339,8 @@ class Launcher:
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
+        elif rc == 1 and failed_on and (why_not := self.why_not_requeued()):
+            log.error("the run failed on %s; %s", ", ".join(failed_on), why_not)
         elif rc == 1 and failed_on:
             log.info(
                 "the run failed on %s: requeueing the job without it once Ray is stopped; it resumes from the "
@@ -348,6 +350,10 @@ class Launcher:
             self.requeue = True
         self.exclude += failed_on if self.requeue else []
         return rc
+
+    def why_not_requeued(self) -> str | None:
+        """Why the job is not requeued without the nodes its failure is blamed on (None: it is)."""
+        return health.why_not_requeued(self.plan.restart_count, self.plan.max_excluding_requeues)
 
     def summary(self, chosen: dict) -> dict:
         try:
@@ -376,8 +382,10 @@ class Launcher:
             time.sleep(0.2)
         bad, reasons = health.blame(plan.nodes, reports)
         if bad:
-            self.requeue, self.exclude = True, bad
             named = "; ".join(f"{n} ({why})" for n, why in zip(bad, reasons))
+            if why_not := self.why_not_requeued():
+                raise LaunchError(f"network check failed: {named}; {why_not}", EXIT_BRINGUP)
+            self.requeue, self.exclude = True, bad
             raise LaunchError(
                 f"network check failed: {named}; requeueing the job without {'it' if len(bad) == 1 else 'them'}",
                 EXIT_BRINGUP,

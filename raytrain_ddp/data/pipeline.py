@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -382,6 +383,17 @@ def _read_piece(source: SplitSource, unit: int, start: int, stop: int) -> dict[s
     return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 
 
+def _read_pieces(source: SplitSource, pieces: Iterable[tuple[int, int, int]]) -> Iterator[dict[str, np.ndarray]]:
+    """Each piece's rows, in order; a run of pieces of one unit (a resized epoch's rest: rows scattered by the
+    earlier parts' shuffles) reads the unit's span once, not a row group per piece."""
+    for unit, run in itertools.groupby(pieces, key=lambda piece: piece[0]):
+        spans = [(start, stop) for _, start, stop in run]
+        first, last = min(start for start, _ in spans), max(stop for _, stop in spans)
+        rows = _read_piece(source, unit, first, last)
+        for start, stop in spans:
+            yield {name: values[start - first : stop - first] for name, values in rows.items()}
+
+
 # A piece of a task: rows [start, stop) of a unit, and the augmentation seed of its epoch (None: no augmentation).
 TaskPiece = tuple[int, int, int, int | None]
 
@@ -390,8 +402,9 @@ def _task_inputs(
     batch: dict[str, np.ndarray], source: SplitSource, tasks: list[list[TaskPiece]], normalise: bool
 ) -> Iterator[dict[str, np.ndarray]]:
     """map_batches over task numbers: the task's pieces' model inputs, in order, transformed a slice at a time."""
-    for unit, start, stop, augment_seed in tasks[int(batch["id"][0])]:
-        rows = _read_piece(source, unit, start, stop)
+    task = tasks[int(batch["id"][0])]
+    pieces_rows = _read_pieces(source, (piece[:3] for piece in task))
+    for (_, start, stop, augment_seed), rows in zip(task, pieces_rows):
         if source.chunks:  # model inputs already
             yield rows
             continue
@@ -427,14 +440,18 @@ def _pieces(unit_rows: Sequence[int], order: Iterable[int], first: int, last: in
     return pieces
 
 
+def _unit_order(unit_rows: Sequence[int], seed: int, epoch: int) -> np.ndarray:
+    """The epoch's order of the units, drawn from (seed, epoch): the same on every rank and at every world size."""
+    return np.random.default_rng([seed, epoch]).permutation(len(unit_rows))
+
+
 def epoch_pieces(
     unit_rows: Sequence[int], seed: int, epoch: int, rank: int, world_size: int
 ) -> list[tuple[int, int, int]]:
     """Rank's train pieces of an epoch, in order: rows [rank * n, (rank + 1) * n) of the units in the
-    order drawn from (seed, epoch), n = all rows // world_size."""
+    epoch's order, n = all rows // world_size."""
     per_rank = sum(unit_rows) // world_size
-    order = np.random.default_rng([seed, epoch]).permutation(len(unit_rows))
-    return _pieces(unit_rows, order, rank * per_rank, (rank + 1) * per_rank)
+    return _pieces(unit_rows, _unit_order(unit_rows, seed, epoch), rank * per_rank, (rank + 1) * per_rank)
 
 
 def rest_of_epoch_pieces(
@@ -450,12 +467,11 @@ def rest_of_epoch_pieces(
     order) were trained at other world sizes (an elastic restart, a resumed run with more or fewer workers).
 
     Each earlier part's ranks are replayed on row positions only (no data is read): what each trained is the
-    start of its shard in its micro-batch order. The rows none of them trained, in the epoch's order, are split
-    as a whole epoch is: `rows // world_size` per rank, so over all parts no row of the epoch is trained
-    twice; each part's split leaves out fewer rows than its world size, as any epoch's does (those of an
-    earlier part are not trained later either: a known gap).
+    start of its shard in its micro-batch order. The rows none of them trained (an earlier split's remainder
+    included), in the epoch's order, are split as a whole epoch is: `rows // world_size` per rank, so over all
+    parts no row of the epoch is trained twice and fewer than `world_size` rows are left out, as in any epoch.
     """
-    order = np.random.default_rng([config.seed, epoch]).permutation(len(unit_rows))
+    order = _unit_order(unit_rows, config.seed, epoch)
     units = np.repeat(order, [unit_rows[unit] for unit in order])  # the epoch's rows as (unit, row in unit)
     rows = np.concatenate([np.arange(unit_rows[unit]) for unit in order]) if len(order) else np.empty(0, int)
     for part, (part_world_size, steps) in enumerate(earlier_parts):
@@ -464,10 +480,11 @@ def rest_of_epoch_pieces(
         left = []
         for part_rank in range(part_world_size):
             seed = shuffle_seed(config.seed, epoch, part_rank, part)
-            trained = _trained_order(per_rank, config.batch_size, seed, in_memory)[:trained_rows]
+            trained = _trained_order(per_rank, config.batch_size, seed, in_memory, trained_rows)
             untrained = np.ones(per_rank, dtype=bool)
             untrained[trained] = False
             left.append(part_rank * per_rank + np.flatnonzero(untrained))
+        left.append(np.arange(part_world_size * per_rank, len(units)))  # the part's remainder: no rank had it
         picked = np.concatenate(left)
         units, rows = units[picked], rows[picked]
     per_rank = len(units) // world_size
@@ -479,10 +496,11 @@ def shuffle_seed(seed: int, epoch: int, rank: int, part: int = 0) -> int:
     return _seed_of(seed, epoch, rank) if part == 0 else _seed_of(seed, epoch, rank, part)
 
 
-def _trained_order(rows: int, batch_size: int, seed: int, in_memory: bool) -> np.ndarray:
-    """Positions 0..rows-1 of a rank's epoch rows, in the order its micro-batches take them (host_batches' order)."""
+def _trained_order(rows: int, batch_size: int, seed: int, in_memory: bool, trained_rows: int) -> np.ndarray:
+    """The first `trained_rows` of positions 0..rows-1 of a rank's epoch rows, in the order its micro-batches
+    take them (host_batches' order); only those micro-batches are replayed."""
     if in_memory:
-        return np.random.default_rng(seed).permutation(rows)
+        return np.random.default_rng(seed).permutation(rows)[:trained_rows]
     positions, at = np.arange(rows), 0
 
     def read(count: int) -> dict[str, np.ndarray]:
@@ -490,8 +508,9 @@ def _trained_order(rows: int, batch_size: int, seed: int, in_memory: bool) -> np
         part, at = positions[at : at + count], min(rows, at + count)
         return {"y": part}
 
-    batches = [batch["y"] for batch in _window_shuffled(read, batch_size, SHUFFLE_BUFFER_ROWS, seed)]
-    return np.concatenate(batches) if batches else positions
+    shuffled = _window_shuffled(read, batch_size, SHUFFLE_BUFFER_ROWS, seed)
+    batches = [batch["y"] for batch in itertools.islice(shuffled, math.ceil(trained_rows / batch_size))]
+    return np.concatenate(batches)[:trained_rows] if batches else positions[:0]
 
 
 def _runs(units: np.ndarray, rows: np.ndarray) -> list[tuple[int, int, int]]:
@@ -746,7 +765,7 @@ def _in_memory_batches(
 ) -> Iterator[dict[str, np.ndarray]]:
     """Built-in rows are model inputs already: the rank takes its pieces from the object store, in this
     process (no Ray Data tasks, nothing to decode), and shuffles all of them."""
-    parts = [_read_piece(source, *piece) for piece in pieces]
+    parts = list(_read_pieces(source, pieces))
     rows = {name: np.concatenate([part[name] for part in parts]) for name in ("id", "x", "y")}
     order = np.random.default_rng(shuffle_seed).permutation(len(rows["y"]))
     for at in range(0, len(order), batch_size):

@@ -329,6 +329,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
 
 def _choose_start(config: TrainConfig, run_dir: RunPath, start_state: dict | None) -> None:
     """A run with checkpoints of its own continues from its newest good one; else --resume-from's."""
+    run_checkpoints.clear_unrecorded(run_dir)
     if run_checkpoints.has_own_checkpoints(run_dir):
         resume_from = run_checkpoints.set_aside_corrupt_latest(run_dir)
         if resume_from:

@@ -9,6 +9,8 @@ raytrain_ddp._ray_compat, against the installed Ray's own schema):
 * a corrupt latest checkpoint is moved to ``RUN_DIR/corrupt/`` and the newest
   good one becomes the latest (:func:`set_aside_corrupt_latest`), after metrics
   the snapshot could not hold are dropped;
+* checkpoint directories the snapshot does not list (a run that ended while one was written) are removed
+  when they do not load, and named when they do (:func:`clear_unrecorded`);
 * ``--resume-from`` copies the given checkpoint into a new run directory and
   records it as that run's latest (:func:`seed_new_run`).
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError, headline
-from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, open_for_read
+from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, open_for_read, remove_tree
 from raytrain_ddp.worker.checkpoint import (
     CHECKPOINT_FILE,
     TRAINING_STATE_FILE,
@@ -48,6 +50,7 @@ REQUIRED_KEYS = (
 )
 SHARDED_KEYS = ("model", "optimizer")  # in a sharded checkpoint's shards/, not in its training_state.pt
 CORRUPT_DIR = "corrupt"
+CHECKPOINT_GLOB = "checkpoint_*"  # Ray Train's checkpoint directories (and ShardedSaver's, named alike)
 
 
 def read_verified(checkpoint_dir: RunPath) -> tuple[dict | None, str | None]:
@@ -114,11 +117,33 @@ def set_aside_corrupt_latest(run_dir: RunPath) -> str | None:
     return resume_from
 
 
+def clear_unrecorded(run_dir: RunPath) -> None:
+    """Checkpoint directories of the run that Ray Train never recorded: the run ended (crashed, killed) while
+    one was being written (a sharded one's ranks still writing, a full one's upload cut short), or after its
+    write but before its report. Ray Train's retention never sees them: one that does not load is removed,
+    one that does is kept and named (it is not resumed from: Ray Train resumes from its latest recorded)."""
+    state = _ray_compat.read_snapshot(run_dir)
+    recorded = set(_ray_compat.checkpoints_newest_first(state)) if state else set()
+    directories: list[RunPath] = sorted(run_dir.glob(CHECKPOINT_GLOB), key=str)
+    for directory in directories:
+        if directory.name in recorded or not directory.is_dir():
+            continue
+        _, why = read_verified(directory)
+        if why is None:
+            log.warning(
+                "Checkpoint %s was written but never recorded (the run ended before reporting it): kept, not "
+                "resumed from; give it to --resume-from to start a new run from it, or delete it",
+                directory,
+            )
+        else:
+            log.warning("Removed unfinished checkpoint %s (%s): the run ended while it was written", directory, why)
+            remove_tree(directory)
+
+
 # ----------------------------------------------------------------- --resume-from
 def check_resume_from(config: TrainConfig, spec) -> dict:
     """The --resume-from checkpoint's state, once it is known to fit this run. Raises ConfigError."""
-    given = _resume_from(config)
-    checkpoint_dir = given.parent if given.name == CHECKPOINT_FILE else given
+    given, checkpoint_dir = _resume_from(config)
     flag = f"--resume-from {config.resume_from!r}"
     if not given.exists():
         raise ConfigError(f"{flag} does not exist")
@@ -146,15 +171,15 @@ def has_own_checkpoints(run_dir: RunPath) -> bool:
 
 def seed_new_run(config: TrainConfig, state: dict) -> None:
     """Copy the --resume-from checkpoint into the new run and make it the latest one Ray Train hands out."""
-    given = _resume_from(config)
-    source = given.parent if given.name == CHECKPOINT_FILE else given
+    _, source = _resume_from(config)
     name = source.name if source.name.startswith("checkpoint_") else f"checkpoint_from_{source.name}"
     copy_tree(source, config.run_dir / name)
     _ray_compat.write_snapshot(config.run_dir, _ray_compat.new_snapshot(name, state.get("metrics") or {}))
     log.info("Starting from checkpoint %s of run %s", describe(source, state), state["config"].get("name", "?"))
 
 
-def _resume_from(config: TrainConfig) -> RunPath:
-    """--resume-from as a path: local (made absolute), or on object storage."""
+def _resume_from(config: TrainConfig) -> tuple[RunPath, RunPath]:
+    """--resume-from as a path (local, made absolute, or on object storage), and its checkpoint directory."""
     given = location(config.resume_from or "", "--resume-from")
-    return given.expanduser().resolve() if isinstance(given, Path) else given
+    given = given.expanduser().resolve() if isinstance(given, Path) else given
+    return given, given.parent if given.name == CHECKPOINT_FILE else given

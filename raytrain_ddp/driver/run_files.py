@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from raytrain_ddp.files import write_atomic
-from raytrain_ddp.storage import RunPath, append_text
+from raytrain_ddp.storage import RemotePath, RunPath
 
 
 class MetricsFile:
@@ -38,9 +38,12 @@ class StepsFile:
     def add(self, record: dict) -> None:
         """A step at or before the last one recorded is trained again (after a restart or a resume from an
         earlier checkpoint): it and the steps after it are replaced."""
-        if self.records and record["step"] <= self.records[-1]["step"]:
-            self.records = [r for r in self.records if r["step"] < record["step"]] + [record]
+        replaced = bool(self.records) and record["step"] <= self.records[-1]["step"]
+        if replaced:
+            self.records = [r for r in self.records if r["step"] < record["step"]]
+        self.records.append(record)
+        if replaced or isinstance(self.path, RemotePath):  # object storage cannot append: written whole
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
             return
-        self.records.append(record)
-        append_text(self.path, json.dumps(record) + "\n")
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")

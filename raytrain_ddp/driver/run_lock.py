@@ -199,6 +199,15 @@ class RunLock:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):  # a filesystem hiccup: the next beat tries again
+                holder = _read(self.path)
+                if holder and holder.get("token") != self.token:  # taken over (this driver hung past STALE_AFTER_S)
+                    log.error(
+                        "%s was taken over by %s: this driver no longer holds run directory %s; stop this run",
+                        self.path,
+                        describe(holder),
+                        self.run_dir,
+                    )
+                    return  # a beat would keep the other driver's lock looking like ours, or overwrite it
                 if isinstance(self.path, RemotePath):
                     self.holder["beat"] = time.time()
                     self.path.write_bytes(json.dumps(self.holder).encode() + b"\n")

@@ -18,7 +18,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.tensorboard_log import epoch_scalars, step_scalars
 from raytrain_ddp.driver.tracker import QueuedTracker
 from raytrain_ddp.files import write_atomic
-from raytrain_ddp.redact import redact
+from raytrain_ddp.redact import redact, redact_values
 from raytrain_ddp.storage import RemotePath, RunPath
 
 log = logging.getLogger("raytrain_ddp")
@@ -53,7 +53,7 @@ class WandbLog(QueuedTracker):
             name=config.name,
             id=self.run_id,
             resume="allow",
-            config={key: redact(value) if isinstance(value, str) else value for key, value in config.to_dict().items()},
+            config=redact_values(config.to_dict()),
             reinit="create_new",  # never take over (or end) a W&B run of the caller's own, in a notebook
             # the driver's console stays the driver's (its live progress line); driver.log holds it
             settings=wandb.Settings(console="off"),

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.redact import redact_values
 from raytrain_ddp.storage import RunPath, local_path
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -88,7 +89,8 @@ def save(
 
 
 def plain_state(training_state: dict, position: Position, metrics: dict, run_info: dict) -> dict:
-    """Everything a checkpoint holds but the model and optimizer state."""
+    """Everything a checkpoint holds but the model and optimizer state; credentials in the config's URIs masked,
+    as in config.toml (checkpoints travel: to a bucket, to a colleague)."""
     return {
         **training_state,
         "epoch": position.epoch,
@@ -98,6 +100,7 @@ def plain_state(training_state: dict, position: Position, metrics: dict, run_inf
         "rng": {"torch": torch.get_rng_state()},
         "metrics": metrics,
         **run_info,
+        "config": redact_values(run_info["config"]),
     }
 
 
@@ -168,22 +171,23 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path) -> Path:
     """Write a sharded checkpoint as one full-format checkpoint: the new directory `out`, holding checkpoint.pt.
 
     On one process, without a process group; the whole state is in memory once. Raises ConfigError when
-    `out` exists (nothing is overwritten)."""
+    `out` exists (nothing is overwritten). Written beside `out` and renamed: a failed one leaves no `out`."""
     out = Path(out)
-    target = out / CHECKPOINT_FILE
     if out.exists():
         raise ConfigError(f"{out} already exists; consolidate writes a new file and overwrites nothing")
     state = load_file(checkpoint_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".shards.tmp")
-    try:
-        dcp_to_torch_save(str(Path(checkpoint_dir) / SHARDS_DIR), str(tmp))
-        tensors = torch.load(tmp, map_location="cpu", weights_only=True)
-    finally:
-        tmp.unlink(missing_ok=True)
     state.pop("format", None)
-    _save_atomic({"model": tensors["model"], "optimizer": tensors["optimizer"], **state}, target)
-    return target
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch:
+        shards = Path(scratch) / "shards.pt"
+        dcp_to_torch_save(str(Path(checkpoint_dir) / SHARDS_DIR), str(shards))
+        tensors = torch.load(shards, map_location="cpu", weights_only=True)
+        shards.unlink()
+        written = Path(scratch) / "out"
+        written.mkdir()
+        _save_atomic({"model": tensors["model"], "optimizer": tensors["optimizer"], **state}, written / CHECKPOINT_FILE)
+        written.rename(out)  # within one directory: atomic
+    return out / CHECKPOINT_FILE
 
 
 def position_of(state: dict) -> Position:
@@ -236,11 +240,13 @@ class ShardedSaver:
 
     def save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict) -> None:
         self.flush()  # one save in flight at a time
-        names = [new_checkpoint_name() if self.rank == 0 else None]
+        names: list[str | None] = [None]
+        if self.rank == 0:  # made before the others learn its name: their DCP writers create it too
+            names = [new_checkpoint_name()]
+            (self.run_dir / names[0]).mkdir()  # a new name: an existing directory is never written into
         dist.broadcast_object_list(names, src=0, group=self.group)
         directory = self.run_dir / names[0]
         if self.rank == 0:
-            directory.mkdir()  # a new name: an existing directory is never written into
             _save_atomic({**plain, "format": "sharded"}, directory / TRAINING_STATE_FILE)
         future = dcp.async_save(
             {"model": model_state, "optimizer": optimizer_state},

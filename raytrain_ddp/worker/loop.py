@@ -20,7 +20,6 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -34,6 +33,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, DeviceFeed, TrainShard, host_batches, padding_batch, val_batches
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
+from raytrain_ddp.storage import local_path
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
@@ -77,8 +77,7 @@ def make_loss_fn(config: TrainConfig, loss_fn=None):
 
 def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -> None:
     """The ids this rank trained on this epoch, in order: RUN_DIR/sample_ids/epoch-E-rank-R.npy."""
-    directory = config.run_dir / "sample_ids"
-    assert isinstance(directory, Path)  # config.validate refuses --record-sample-ids on object storage
+    directory = local_path(config.run_dir, "--record-sample-ids files") / "sample_ids"  # validate refuses URIs
     directory.mkdir(parents=True, exist_ok=True)
     np.save(directory / f"epoch-{epoch}-rank-{rank}.npy", np.concatenate(batches) if batches else np.empty(0, np.int64))
 
@@ -130,6 +129,10 @@ class EpochRun:
     compute_seconds: float = 0.0  # see StepClock
 
 
+# What the order of an epoch's micro-batches depends on besides the world size (pipeline.rest_of_epoch_pieces)
+REPLAYED_SETTINGS = ("seed", "batch_size", "grad_accum")
+
+
 class Trainer:
     """Model, optimizer, schedule and scaler of one rank, and the two things done with them per batch."""
 
@@ -169,24 +172,22 @@ class Trainer:
         if saved_world_size == self.world_size:
             return position
         done_steps = 0.0  # of this epoch, in this world size's optimizer steps
-        if position.step_in_epoch and resizable:
-            position.earlier_parts += ((saved_world_size, position.step_in_epoch),)
-            done_steps = sum(size * steps for size, steps in position.earlier_parts) / self.world_size
+        if position.step_in_epoch:
+            # the earlier parts are replayed with this run's seed and micro-batch sizes: they must be the checkpoint's
+            same_order = all(state["config"].get(key) == getattr(self.config, key) for key in REPLAYED_SETTINGS)
+            if resizable and same_order:
+                position.earlier_parts += ((saved_world_size, position.step_in_epoch),)
+                done_steps = sum(size * steps for size, steps in position.earlier_parts) / self.world_size
+                goes_on = f"goes on with the rows its {position.step_in_epoch} optimizer steps did not train"
+            else:  # a plug-in's dataset (Ray Data splits it) or another order: no part can be replayed
+                position.earlier_parts, goes_on = (), "starts over"
             log.info(
-                "world size changed from %d to %d: epoch %d goes on with the rows its %d optimizer steps did not train",
+                "world size changed from %d to %d: epoch %d %s",
                 saved_world_size,
                 self.world_size,
                 position.epoch + 1,
-                position.step_in_epoch,
+                goes_on,
             )
-        elif position.step_in_epoch:  # a plug-in's dataset: Ray Data splits it, no part can be replayed
-            log.info(
-                "world size changed from %d to %d: epoch %d starts over",
-                saved_world_size,
-                self.world_size,
-                position.epoch + 1,
-            )
-            position.earlier_parts = ()
         position.step_in_epoch = 0
         # The checkpoint's schedule counted another world size's steps per epoch (and lr, with --scale-lr).
         step = position.epoch * self.epoch_steps + int(done_steps)
@@ -395,13 +396,9 @@ class WorkerLoop:
         if not self.config.skip_nonfinite:
             check_finite(loss, self.rank, epoch, meter.micro_batches)
 
-    def agreed(self, stop: bool, timed: bool = False) -> tuple[bool, bool]:
-        """(stop, take a timed checkpoint), each true on every rank when true on any."""
-        stop, timed = all_ranks_agree((stop, timed), self.device)
-        return stop, timed
-
     def stop_agreed(self) -> bool:
-        return self.agreed(stop=self.heartbeat.stop_reason is not None)[0]
+        """Whether any rank was asked to stop, the same answer on every rank."""
+        return all_ranks_agree((self.heartbeat.stop_reason is not None,), self.device)[0]
 
     def minutes_due(self) -> bool:
         minutes = self.config.checkpoint_every_minutes

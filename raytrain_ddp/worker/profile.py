@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ddp.files import write_atomic
-from raytrain_ddp.storage import RunPath
+from raytrain_ddp.storage import RunPath, local_path
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +81,8 @@ class StepProfile:
             self.marker = None
         profiler, self.profiler = self.profiler, None
         profiler.stop()
-        assert isinstance(self.run_dir, Path)  # config.validate refuses --profile-steps on object storage
-        trace = trace_path(self.run_dir, self.rank)
+        run_dir = self._local_run_dir()
+        trace = trace_path(run_dir, self.rank)
         partial = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")  # whole or not at all, as write_atomic
         profiler.export_chrome_trace(str(partial))
         os.replace(partial, trace)
@@ -92,20 +92,23 @@ class StepProfile:
             "steps": [self.first_step, self.last_step],
             "ops": top_ops(profiler.key_averages(), on_gpu=self.device.type == "cuda"),
         }
-        write_atomic(top_ops_path(self.run_dir, self.rank), json.dumps(table, indent=1) + "\n")
+        write_atomic(top_ops_path(run_dir, self.rank), json.dumps(table, indent=1) + "\n")
         log.info("profile of optimizer steps %d-%d written to %s", self.first_step, self.last_step, trace)
 
     def _start(self, step: int) -> None:
         import torch.profiler
 
-        assert isinstance(self.run_dir, Path)  # config.validate refuses --profile-steps on object storage
-        (self.run_dir / PROFILE_DIR).mkdir(parents=True, exist_ok=True)
+        (self._local_run_dir() / PROFILE_DIR).mkdir(parents=True, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.start()
         self.first_step = step
+
+    def _local_run_dir(self) -> Path:
+        assert self.run_dir is not None  # given whenever a window is
+        return local_path(self.run_dir, "--profile-steps traces")  # config.validate refuses object storage
 
     def __enter__(self) -> StepProfile:
         return self

@@ -149,41 +149,57 @@ def ip(command: str) -> None:
     assert done.returncode == 0, f"{command}: {done.stderr}"
 
 
+def _job_on_a_broken_link(testbed: Testbed, name: str, **env: str) -> tuple[Job, str]:
+    """A two-node job whose network check fails (rtnode2's fast link is down): its log, and `scontrol show job`
+    after it ended (and, where it was, was requeued)."""
+    workdir = testbed.workdir(name)
+    log_path = workdir / "job.out"
+    job_id = testbed.submit(
+        workdir, TWO_NODES, TRAIN, RAYTRAIN_HEAD_ADDR="198.19.0.11", RAYTRAIN_NETCHECK_TIMEOUT_S="8", **env
+    )
+    started = time.monotonic()
+    try:
+        while "cleanup done" not in (log_path.read_text() if log_path.exists() else ""):
+            assert time.monotonic() - started < 300, "the job did not end after its network check:\n" + (
+                log_path.read_text() if log_path.exists() else ""
+            )
+            time.sleep(1)
+        time.sleep(3)  # the requeue, once Ray is stopped
+        shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["scancel", str(job_id)], timeout=30)
+    return Job(job_id, -1, log_path.read_text(), time.monotonic() - started, workdir), shown
+
+
 def test_a_node_whose_link_is_down_is_named_and_the_requeued_job_excludes_it(testbed: Testbed) -> None:
     """The network check before Ray starts: rtnode2's link to the fast network is down (inside its
     namespace), so it cannot reach the head's address there. The job ends in one ERROR line naming
     rtnode2 (exit 3, instead of a hang at the first all-reduce) and is requeued with rtnode2 in its
-    ExcNodeList (where, with only two nodes, it waits: the test cancels it)."""
+    ExcNodeList (where, with only two nodes, it waits: the test cancels it). With
+    RAYTRAIN_MAX_EXCLUDING_REQUEUES=0 the same job ends, not requeued, and its line says why."""
     subprocess.run(["ip", "-n", "rtns1", "link", "del", "rtfast1"], capture_output=True, timeout=30)  # a stale one
     for command in FAST_NET:
         ip(command)
     try:
         ip("ip -n rtns2 link set rtfast2 down")  # the broken link
-        workdir = testbed.workdir("netcheck")
-        log_path = workdir / "job.out"
-        job_id = testbed.submit(
-            workdir, TWO_NODES, TRAIN, RAYTRAIN_HEAD_ADDR="198.19.0.11", RAYTRAIN_NETCHECK_TIMEOUT_S="8"
-        )
-        started = time.monotonic()
-        try:
-            while "cleanup done" not in (log_path.read_text() if log_path.exists() else ""):
-                assert time.monotonic() - started < 300, "the job did not end after its network check:\n" + (
-                    log_path.read_text() if log_path.exists() else ""
-                )
-                time.sleep(1)
-            time.sleep(3)  # the requeue, once Ray is stopped
-            shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
-        finally:
-            subprocess.run(["scancel", str(job_id)], timeout=30)
+        job, shown = _job_on_a_broken_link(testbed, "netcheck")
+        capped, capped_shown = _job_on_a_broken_link(testbed, "netcheck-capped", RAYTRAIN_MAX_EXCLUDING_REQUEUES="0")
     finally:
         subprocess.run(["ip", "-n", "rtns1", "link", "del", "rtfast1"], capture_output=True, timeout=30)
-    job = Job(job_id, -1, log_path.read_text(), time.monotonic() - started, workdir)
     errors = [line for line in job.log.splitlines() if "ERROR" in line]
     assert len(errors) == 1, show(job)
     assert f"network check failed: {LOST_NODE} (it could not reach rtnode1 (198.19.0.11:" in errors[0], show(job)
     assert "rtnode1 (" not in errors[0].replace("reach rtnode1 (", ""), show(job)  # the head is not blamed
     assert "exit code 3" in job.log and "ray start (" not in job.log, show(job)  # Ray never started
-    assert f"requeued job {job_id} (restart 1) without {LOST_NODE} (ExcNodeList={LOST_NODE})" in job.log, show(job)
+    assert f"requeued job {job.job_id} (restart 1) without {LOST_NODE} (ExcNodeList={LOST_NODE})" in job.log, show(job)
     assert re.search(rf"\bExcNodeList={LOST_NODE}\s", shown) and "Restarts=1" in shown, shown
     print(f"network check: job start -> requeue {job.elapsed:.0f}s")
     assert_no_leftovers(job)
+    [capped_error] = [line for line in capped.log.splitlines() if "ERROR" in line]
+    assert f"network check failed: {LOST_NODE} (" in capped_error, show(capped)
+    assert "; not requeued: the job has been requeued 0 time(s) already (RAYTRAIN_MAX_EXCLUDING_REQUEUES=0)" in (
+        capped_error
+    ), show(capped)
+    assert "requeued job" not in capped.log and "Restarts=0" in capped_shown, capped_shown
+    assert not re.search(rf"\bExcNodeList={LOST_NODE}\s", capped_shown), capped_shown
+    assert_no_leftovers(capped)
