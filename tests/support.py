@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -136,3 +138,19 @@ def wandb_offline_runs(run_dir: Path) -> list[dict]:
             records.setdefault(record["type"], []).append(record[record["type"]])
         runs.append(records)
     return runs
+
+
+@contextlib.contextmanager
+def one_process_group():
+    """A real one-process gloo group in this process (what a worker's Trainer or ShardedSaver needs), torn down
+    after the block."""
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -6,6 +6,9 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import shutil
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -145,3 +148,38 @@ def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(t
     # evaluate refuses a damaged one the same way
     scored = run_cli("raytrain_ddp.evaluate", str(truncated), "--device", "cpu")
     assert scored.returncode == 2 and scored.stderr.count("\n") == 1, scored.stderr
+
+
+def test_waiting_for_a_sharded_write_tells_the_bytes_written(tmp_path):
+    """flush() waits for DCP's background write; meanwhile it tells `progress` what the shard files hold (the
+    heartbeat's "writing checkpoint" phase), so the watchdog sees a long write move and a stalled one stand
+    still. The write here is a thread filling a real shard file, 1 MiB every 0.3 s, then the future's result."""
+    from support import one_process_group
+
+    from raytrain_ddp.driver.liveness import describe_phase
+    from raytrain_ddp.worker import checkpoint as ckpt
+
+    directory = tmp_path / "checkpoint_2026-12-02_10-00-00.000000"
+    (directory / ckpt.SHARDS_DIR).mkdir(parents=True)
+    written: Future = Future()
+
+    def write() -> None:
+        with open(directory / ckpt.SHARDS_DIR / "__0_0.distcp", "wb") as shard:
+            for _ in range(8):
+                shard.write(b"\0" * 2**20)
+                shard.flush()
+                time.sleep(0.3)
+        written.set_result(None)
+
+    reported, told = [], []
+    with one_process_group():
+        saver = ckpt.ShardedSaver(tmp_path, 0, report=lambda metrics, where: reported.append(where))
+        saver.progress = told.append
+        saver.pending = ckpt._Pending(written, directory, {"epoch": 1})
+        threading.Thread(target=write, daemon=True).start()
+        saver.flush()
+    assert reported == [directory] and not saver.in_flight
+    assert len(told) >= 3 and told == sorted(told) and 0 < told[0] < told[-1] <= 8 * 2**20, told
+    assert describe_phase({"phase": "writing checkpoint", "phase_done": 3 * 2**20}) == (
+        "writing checkpoint (3.0 MiB of shards written)"
+    )

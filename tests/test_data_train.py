@@ -364,20 +364,14 @@ def test_a_resized_epoch_goes_on_with_exactly_the_rows_not_yet_trained(in_memory
 def test_a_resize_with_another_seed_or_micro_batch_size_starts_the_epoch_over():
     """The earlier parts of a resized epoch are replayed with this run's seed, batch size and grad_accum: where
     the checkpoint's differ, the replay would pick the wrong rows, so the epoch starts over."""
-    import socket
-
-    import torch.distributed as dist
+    from support import one_process_group
 
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.data.pipeline import synthetic_spec
     from raytrain_ddp.worker import strategy
     from raytrain_ddp.worker.loop import Trainer
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with one_process_group():
         config = TrainConfig(model="mlp", dataset="synthetic-tabular", train_size=64, val_size=16, batch_size=4)
         trainer = Trainer(config, synthetic_spec(config), torch.device("cpu"), {}, world_size=1)
         model_state, optimizer_state = strategy.full_state(trainer.model, trainer.optimizer)
@@ -396,8 +390,6 @@ def test_a_resize_with_another_seed_or_micro_batch_size_starts_the_epoch_over():
         for change in ({"seed": 1}, {"batch_size": 8}, {"grad_accum": 2}):
             changed = {**saved, "config": {**config.to_dict(), **change}}
             assert trainer.restore(changed, resizable=True).earlier_parts == (), change
-    finally:
-        dist.destroy_process_group()
 
 
 def _image_folder(root: Path, per_class: int = 60) -> Path:

@@ -15,7 +15,14 @@ import time
 from raytrain_ddp.worker.metrics import CHECKPOINT_STAGES
 
 # Within an epoch: the earlier phase is behind (compiling happens inside training, or validation's first batch).
-PHASE_ORDER = {"starting": 0, "training": 1, "compiling": 1, "validating": 2, "checkpointing": 3}
+PHASE_ORDER = {
+    "starting": 0,
+    "training": 1,
+    "compiling": 1,
+    "validating": 2,
+    "checkpointing": 3,
+    "writing checkpoint": 3,
+}
 
 
 def describe_phase(progress: dict) -> str:
@@ -25,6 +32,8 @@ def describe_phase(progress: dict) -> str:
         return f"validating ({done} batch{'es' if done != 1 else ''} done)"
     if phase == "checkpointing":
         return f"checkpointing ({CHECKPOINT_STAGES[done]})"
+    if phase == "writing checkpoint":
+        return f"writing checkpoint ({done / 2**20:.1f} MiB of shards written)"
     return phase
 
 

@@ -231,12 +231,16 @@ class ShardedSaver:
     they never interleave with training's collectives, and async_save gets the CPU group it needs on GPUs.
     """
 
+    FLUSH_POLL_S = 0.5  # while a flush waits, how often the bytes written are told to `progress`
+
     def __init__(self, run_dir: str | RunPath, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
         """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`)."""
         self.run_dir, self.rank = local_path(run_dir, "sharded checkpoints"), rank
         self.report = report or functools.partial(report_written, rank=rank)
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
         self.pending: _Pending | None = None
+        # told the bytes the shards hold while a flush waits: the watchdog sees a long write move, a stalled one not
+        self.progress: Callable[[int], None] | None = None
 
     def save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict) -> None:
         self.flush()  # one save in flight at a time
@@ -264,12 +268,26 @@ class ShardedSaver:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        pending.future.result()
+        while True:
+            try:
+                pending.future.result(timeout=self.FLUSH_POLL_S)
+                break
+            except TimeoutError:
+                if self.progress is not None:
+                    self.progress(_bytes_under(pending.directory / SHARDS_DIR))
         self.report(pending.metrics, pending.directory)
 
     @property
     def in_flight(self) -> bool:
         return self.pending is not None
+
+
+def _bytes_under(directory: Path) -> int:
+    """What the files directly in `directory` hold (0 before it exists)."""
+    try:
+        return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
+    except FileNotFoundError:
+        return 0
 
 
 def load_model_weights(checkpoint_dir: str | RunPath, model: torch.nn.Module) -> None:

@@ -289,6 +289,8 @@ class WorkerLoop:
         if config.compile:
             self.heartbeat.follow_compiles()
         self.trainer = Trainer(config, self.spec, device, plugins, world_size)
+        if self.trainer.sharded_saver is not None:
+            self.trainer.sharded_saver.progress = self.heartbeat.writing_checkpoint
         self.feed = DeviceFeed(self.spec, device)
         # the run directory only when profiling: on object storage, opening it would cost a lookup on each worker
         run_dir = config.run_dir if config.profile_window else None

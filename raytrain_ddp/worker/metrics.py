@@ -141,7 +141,8 @@ class Heartbeat:
         self.step_records: deque[dict] = deque()  # the loop's steps.jsonl records, posted with the next beat
         self.sending = threading.Lock()  # a rank's step records reach the driver in step order
         self.phase, self.epoch, self.meter = "starting", 0, EpochMeter()
-        self.phase_done = 0  # progress inside the phase: validation batches done, CHECKPOINT_STAGES index
+        # progress inside the phase: validation batches done, CHECKPOINT_STAGES index, bytes of shards written
+        self.phase_done = 0
         self.compiling = False
         self.stop_reason: str | None = None  # set when the driver asks the run to stop (preemption)
         threading.Thread(target=self._post_forever, daemon=True, name="heartbeat").start()
@@ -152,6 +153,10 @@ class Heartbeat:
     def advance(self, done: int) -> None:
         """Progress inside the current phase: validation batches done, or the checkpoint stage reached."""
         self.phase_done = done
+
+    def writing_checkpoint(self, written: int) -> None:
+        """Waiting for a sharded checkpoint's background write (ShardedSaver.flush): the bytes its shards hold."""
+        self.phase, self.phase_done = "writing checkpoint", written
 
     def follow_compiles(self) -> None:
         """Report torch.compile's compilations (the first step's, a recompile's) as the phase "compiling"."""
