@@ -220,6 +220,23 @@ def test_model_flops_are_three_forwards_and_change_nothing():
     assert peak_tflops(torch.device("cpu"), None) is None and peak_tflops(torch.device("cpu"), 3.5) == 3.5
 
 
+def test_model_flops_of_a_model_that_cannot_run_on_meta_tensors_come_from_a_real_forward():
+    """A plug-in whose forward reads a value (`.item()`, which a meta tensor has not) still gets its count."""
+    from raytrain_ddp.worker.flops import training_flops_per_sample
+
+    class ReadsAValue(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(20, 4)
+
+        def forward(self, x):
+            return self.linear(x) * (2.0 if x.abs().max().item() > 1 else 1.0)
+
+    model = ReadsAValue()
+    assert training_flops_per_sample(model, torch.zeros(1, 20)) == 6 * 20 * 4
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
 def test_model_flops_count_attention():
     """The built-in language model's count is its matmuls, 2 FLOPs per weight per token, plus attention's two
     (S x d) by (d x S) products per block, 2 * S * S * d FLOPs each, times 3: on CPU too, whose fused attention

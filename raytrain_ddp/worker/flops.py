@@ -7,6 +7,9 @@ tensors (``torch.func.functional_call`` with the weights' shapes, not their
 values): no arithmetic is done, however large the model, nothing of it changes
 (no BatchNorm statistics, no gradients), and attention is counted, which the
 CPU's fused attention kernel hides from the counter (GPU kernels are counted).
+A model that cannot run on meta tensors (a plug-in whose forward reads a
+value, `.item()`, or makes tensors on the CPU) is counted with one real
+forward of the row instead, in eval mode and without gradients.
 MFU is model FLOPs per second over the device's dense bf16/fp16 peak: from
 ``--peak-tflops`` or the table below; on CPU, or a GPU not in the table,
 there is no MFU unless the flag gives the peak. On CPU nothing is counted
@@ -47,14 +50,21 @@ def training_flops_per_sample(model: nn.Module, one_row: torch.Tensor) -> float 
         name: torch.empty_like(t, device="meta") for name, t in [*model.named_parameters(), *model.named_buffers()]
     }
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            functional_call(model, shapes, (one_row.to("meta"),))
+        try:
+            return 3.0 * _forward_flops(lambda: functional_call(model, shapes, (one_row.to("meta"),)))
+        except Exception:  # a forward that needs values: count a real one
+            return 3.0 * _forward_flops(lambda: model(one_row))
     except Exception as err:  # a plug-in model may refuse a dummy row; MFU is a nicety, never a failure
         log.warning("model FLOPs not counted (no MFU): %s: %s", type(err).__name__, err)
         return None
     finally:
         model.train(was_training)
-    return 3.0 * counter.get_total_flops()
+
+
+def _forward_flops(forward) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        forward()
+    return counter.get_total_flops()
 
 
 def peak_tflops(device: torch.device, given: float | None) -> float | None:
