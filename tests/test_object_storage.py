@@ -122,6 +122,27 @@ def test_the_run_lock_is_an_object_in_the_bucket(s3_server, tmp_path, monkeypatc
     assert _scheme_folders(tmp_path) == []
 
 
+def test_the_slurm_launcher_reads_a_summary_on_object_storage(s3_server, tmp_path):
+    """After the trainer exits, the launcher reads summary.json (lost or stuck nodes: requeue without them) where
+    the run wrote it, also in a bucket, options such as endpoint_override included."""
+    from raytrain_ddp.cluster import plan
+    from raytrain_ddp.cluster.slurm import Launcher
+
+    summary = {"status": "failed", "error": "lost node n2 (...)", "lost_nodes": [{"hostname": "n2"}]}
+    with _fs(s3_server).open_output_stream(f"{BUCKET}/launcher/run-1/summary.json") as out:
+        out.write(json.dumps(summary).encode())
+    launcher = Launcher([])
+    env = {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3"}
+    kwargs = dict(head_ip="10.0.0.1", ports=plan.port_blocks(7, 1)[0], python="py", home="/h", fallback_cpus=1)
+    launcher.plan = plan.job_plan(env, ["n1", "n2"], **kwargs)
+    storage_path = _storage(s3_server, "launcher")
+    assert launcher.summary({"storage_path": storage_path, "name": "run-1"}) == summary
+    assert launcher.summary({"storage_path": storage_path, "name": "run-2"}) == {}  # none written
+    (tmp_path / "run-1").mkdir()
+    (tmp_path / "run-1" / "summary.json").write_text(json.dumps(summary))
+    assert launcher.summary({"storage_path": str(tmp_path), "name": "run-1"}) == summary
+
+
 def test_a_run_lock_taken_over_is_not_beaten_over(s3_server, tmp_path, monkeypatch, caplog):
     """A driver whose lock another driver took over (it hung past the stale limit) stops beating: its beat would
     overwrite the other's lock object (or, locally, keep it looking fresh). It says so in one error line."""

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from raytrain_ddp import storage
 from raytrain_ddp.cluster import health
 from raytrain_ddp.cluster import plan as planning
 from raytrain_ddp.cluster.node import (
@@ -41,6 +42,7 @@ from raytrain_ddp.cluster.node import (
 from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.storage import RunPath
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
 
@@ -75,6 +77,14 @@ def free_port_block(job_id: int, head: str) -> planning.Ports:
             return ports
         log.info("ports busy on %s: %s (block %d); trying the next block", head, " ".join(map(str, busy)), ports.gcs)
     raise LaunchError(f"no free port block in 20000-29999 on {head}", EXIT_BRINGUP)
+
+
+def run_summary(run_dir: RunPath) -> dict:
+    """The run's summary.json, local or on object storage ({} when there is none, or it does not read)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 class Launcher:
@@ -356,10 +366,7 @@ class Launcher:
         return health.why_not_requeued(self.plan.restart_count, self.plan.max_excluding_requeues)
 
     def summary(self, chosen: dict) -> dict:
-        try:
-            return json.loads(Path(self.run_dir(chosen), "summary.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return run_summary(self.run_dir(chosen))
 
     def check_network(self, timeout: float) -> None:
         """Every node reaches every other (raytrain_ddp.cluster.node.network_check) within `timeout`, or
@@ -393,14 +400,14 @@ class Launcher:
         Path(job_dir, "netcheck.ok").touch()
         log.info("network check passed: all %d node(s) reach each other", len(plan.nodes))
 
-    def run_dir(self, chosen: dict) -> str:
+    def run_dir(self, chosen: dict) -> RunPath:
         where = planning.run_location(
             chosen,
             os.environ.get("SLURM_SUBMIT_DIR") or os.getcwd(),
             os.environ.get("SLURM_JOB_NAME"),
             self.plan.job_id,
         )
-        return f"{where.storage}/{where.name}"
+        return storage.location(where.storage, "--storage-path") / where.name
 
     def start_node(self, index: int) -> None:
         """One background srun step per node: its Ray node, given the node's CPUs and GPUs."""
