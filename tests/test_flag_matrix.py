@@ -8,12 +8,10 @@ the real model builder, `strategy.distribute` (DDP or FSDP2) and the loop's own
 from __future__ import annotations
 
 import itertools
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-from support import run_cli
+from support import one_process_group, run_cli
 
 from raytrain_ddp import fit
 from raytrain_ddp.config import TrainConfig
@@ -29,12 +27,8 @@ BATCH = 4
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_process_group():
+        yield
 
 
 def _batch(spec, seed: int) -> dict:

@@ -79,14 +79,6 @@ def free_port_block(job_id: int, head: str) -> planning.Ports:
     raise LaunchError(f"no free port block in 20000-29999 on {head}", EXIT_BRINGUP)
 
 
-def run_summary(run_dir: RunPath) -> dict:
-    """The run's summary.json, local or on object storage ({} when there is none, or it does not read)."""
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 class Launcher:
     def __init__(self, trainer_args: list[str]) -> None:
         self.args = list(trainer_args)
@@ -349,15 +341,16 @@ class Launcher:
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
-        elif rc == 1 and failed_on and (why_not := self.why_not_requeued()):
-            log.error("the run failed on %s; %s", ", ".join(failed_on), why_not)
         elif rc == 1 and failed_on:
-            log.info(
-                "the run failed on %s: requeueing the job without it once Ray is stopped; it resumes from the "
-                "latest checkpoint",
-                ", ".join(failed_on),
-            )
-            self.requeue = True
+            if why_not := self.why_not_requeued():
+                log.error("the run failed on %s; %s", ", ".join(failed_on), why_not)
+            else:
+                log.info(
+                    "the run failed on %s: requeueing the job without it once Ray is stopped; it resumes from the "
+                    "latest checkpoint",
+                    ", ".join(failed_on),
+                )
+                self.requeue = True
         self.exclude += failed_on if self.requeue else []
         return rc
 
@@ -366,7 +359,11 @@ class Launcher:
         return health.why_not_requeued(self.plan.restart_count, self.plan.max_excluding_requeues)
 
     def summary(self, chosen: dict) -> dict:
-        return run_summary(self.run_dir(chosen))
+        """The run's summary.json, local or on object storage ({} when there is none, or it does not read)."""
+        try:
+            return json.loads((self.run_dir(chosen) / "summary.json").read_text())
+        except (OSError, ValueError):
+            return {}
 
     def check_network(self, timeout: float) -> None:
         """Every node reaches every other (raytrain_ddp.cluster.node.network_check) within `timeout`, or

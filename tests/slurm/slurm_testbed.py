@@ -136,3 +136,15 @@ def job_processes(job_id: int) -> list[str]:
             shown = cmdline.replace(b"\0", b" ")[:200].decode(errors="replace")
             found.append(f"{p.name}: {shown}")
     return found
+
+
+def log_text(path: Path) -> str:
+    """A job's log so far ('' before Slurm creates it)."""
+    return path.read_text() if path.exists() else ""
+
+
+def wait_for_line(log_path: Path, text: str, started: float, limit_s: float, what: str, poll_s: float = 1.0) -> None:
+    """Until `text` is in the job's log; fails with `what` and the log past `limit_s` from `started`."""
+    while text not in log_text(log_path):
+        assert time.monotonic() - started < limit_s, f"{what}:\n" + log_text(log_path)
+        time.sleep(poll_s)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import SCRIPT, Job, Testbed
+from slurm_testbed import SCRIPT, Job, Testbed, wait_for_line
 from test_start_ray_slurm import TWO_NODES, assert_no_leftovers, show
 
 pytestmark = pytest.mark.slurm
@@ -159,11 +159,7 @@ def _job_on_a_broken_link(testbed: Testbed, name: str, **env: str) -> tuple[Job,
     )
     started = time.monotonic()
     try:
-        while "cleanup done" not in (log_path.read_text() if log_path.exists() else ""):
-            assert time.monotonic() - started < 300, "the job did not end after its network check:\n" + (
-                log_path.read_text() if log_path.exists() else ""
-            )
-            time.sleep(1)
+        wait_for_line(log_path, "cleanup done", started, 300, "the job did not end after its network check")
         time.sleep(3)  # the requeue, once Ray is stopped
         shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
     finally:

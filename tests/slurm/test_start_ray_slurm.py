@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes
+from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes, wait_for_line
 from support import train_api_run
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API
@@ -251,11 +251,7 @@ def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
     t0 = time.monotonic()
     log_path = wd / "job.out"
     try:
-        while "probe: holding" not in (log_path.read_text() if log_path.exists() else ""):
-            assert time.monotonic() - t0 < 300, "probe never started:\n" + (
-                log_path.read_text() if log_path.exists() else ""
-            )
-            time.sleep(1)
+        wait_for_line(log_path, "probe: holding", t0, 300, "probe never started")
         assert job_processes(job_id), "Ray processes of the running job should be visible"
         subprocess.run(["scancel", "--batch", "--signal=USR1", str(job_id)], check=True, timeout=30)
         deadline = time.monotonic() + 30
@@ -294,11 +290,7 @@ def test_usr1_while_ray_starts_checkpoints_requeues_and_the_requeued_job_resumes
     run_dir = wd / "runs" / f"raytrain-{job_id}"
     t0 = time.monotonic()
     try:
-        while "starting Ray head" not in (log_path.read_text() if log_path.exists() else ""):
-            assert time.monotonic() - t0 < 300, "the job never started:\n" + (
-                log_path.read_text() if log_path.exists() else ""
-            )
-            time.sleep(0.2)
+        wait_for_line(log_path, "starting Ray head", t0, 300, "the job never started", poll_s=0.2)
         subprocess.run(["scancel", "--signal=USR1", "--batch", str(job_id)], check=True, timeout=30)
         while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
             assert time.monotonic() - t0 < 600, "the job (or its requeued run) did not finish:\n" + log_path.read_text()
