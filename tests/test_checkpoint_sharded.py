@@ -99,6 +99,25 @@ def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(t
     state, why = read_verified(checkpoint)
     assert why is None and state["format"] == "sharded" and state["global_step"] == 2
 
+    # Its model's tensors are read from DCP's index: a model of other shapes is refused in one line, unloaded
+    from raytrain_ddp.driver.run_checkpoints import check_fits_model
+    from raytrain_ddp.errors import ConfigError
+    from raytrain_ddp.models import TransformerLM
+
+    def shapes(depth: int) -> dict:
+        return {
+            name: tuple(value.shape)
+            for name, value in TransformerLM(VOCAB, LENGTH, dim=32, depth=depth).state_dict().items()
+        }
+
+    check_fits_model(checkpoint, state, shapes(depth=2), "it", "")  # the model it was trained with
+    with pytest.raises(
+        ConfigError,
+        match=r"^it holds another model than this run's \(it lacks blocks\.2\.attn_norm\.weight, "
+        r"blocks\.2\.attn_norm\.bias, blocks\.2\.attn\.qkv\.weight and 9 more\); build that one$",
+    ):
+        check_fits_model(checkpoint, state, shapes(depth=3), "it", "build that one")
+
     # One process loads the two ranks' shards: the same weights and AdamW moments as were saved
     loaded = _spawn(1, tmp_path, "load", load_from=directory)
     _assert_same_state(loaded["full"], saved["full"])

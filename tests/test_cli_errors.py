@@ -286,7 +286,24 @@ RESUME_FROM_CASES = [
         "was made for model mlp on inputs (32,) with 10 classes; this run is model cnn on inputs (3, 32, 32)",
     ),
     ("epochs-done", lambda d: _checkpoint(d, epoch=5), "has already trained 5 epochs; ask for more --epochs"),
+    (
+        "other-shapes",  # the same model name and data, but the model's code changed since
+        lambda d: _checkpoint(d, model=_cnn_state(drop="head.bias", **{"head.weight": (10, 512)})),
+        "holds another model than this run's (head.weight is [10, 512] there, [10, 1024] here; it lacks "
+        "head.bias); give it a checkpoint of this model",
+    ),
 ]
+
+
+def _cnn_state(drop: str, **shapes: tuple[int, ...]) -> dict:
+    """The built-in cnn's weights (3x32x32 inputs, 10 classes), some of other `shapes`, less `drop`."""
+    import torch
+
+    from raytrain_ddp.models import SmallCNN
+
+    state = {name: torch.zeros(shapes.get(name, value.shape)) for name, value in SmallCNN(3, 10).state_dict().items()}
+    del state[drop]
+    return state
 
 
 @pytest.mark.parametrize("make, message", [c[1:] for c in RESUME_FROM_CASES], ids=[c[0] for c in RESUME_FROM_CASES])

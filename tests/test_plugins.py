@@ -153,3 +153,18 @@ def test_python_api_takes_callables(ray_address, tmp_path):
     assert result.final_metrics["val_accuracy"] > 0.9
     assert result.summary["replicas_identical"]
     assert "test_python_api_takes_callables.<locals>.<lambda>" in config.model
+
+    # continued with a model whose code changed since (its tensors have other shapes): one line before any
+    # worker starts, and the run as it was
+    from raytrain_ddp.errors import ConfigError
+
+    before = (result.run_dir / "metrics.jsonl").read_text()
+    more = TrainConfig(num_workers=2, epochs=3, storage_path=str(tmp_path), name="api", report=False, lr=0.1)
+    with pytest.raises(ConfigError) as refused:
+        fit(more, model_fn=lambda config: nn.Linear(4, 3), dataset_fn=dataset_fn, loss_fn=loss_fn)
+    assert str(refused.value).startswith(f"run 'api''s latest checkpoint {result.run_dir}/checkpoint_"), refused
+    assert str(refused.value).endswith(
+        " holds another model than this run's (weight is [2, 4] there, [3, 4] here, bias is [2] there, [3] here); "
+        "build the model it was trained with, or choose another --name"
+    ), refused
+    assert (result.run_dir / "metrics.jsonl").read_text() == before

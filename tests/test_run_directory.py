@@ -232,7 +232,7 @@ def test_a_checkpoint_snapshot_cut_short_is_one_line(tmp_path):
 
     (tmp_path / "checkpoint_manager_snapshot.json").write_text('{"checkpoint_results": [')
     with pytest.raises(ConfigError, match="checkpoint_manager_snapshot.json is unreadable"):
-        run_checkpoints.set_aside_corrupt_latest(tmp_path)
+        run_checkpoints.read_snapshot(tmp_path)
 
 
 def test_checkpoints_ray_train_never_recorded_are_removed_when_unfinished_and_named_when_whole(tmp_path, caplog):
@@ -259,7 +259,7 @@ def test_checkpoints_ray_train_never_recorded_are_removed_when_unfinished_and_na
     torch.save({"format": "sharded"}, unfinished / "training_state.pt")
     (tmp_path / "checkpoint_notes.txt").write_text("a user's file, not a checkpoint directory")
     with caplog.at_level(logging.WARNING, logger="raytrain_ddp"):
-        run_checkpoints.clear_unrecorded(tmp_path)
+        run_checkpoints.clear_unrecorded(tmp_path, _ray_compat.read_snapshot(tmp_path))
     assert recorded.exists() and unreported.exists() and not unfinished.exists()
     assert (tmp_path / "checkpoint_notes.txt").exists()
     assert f"Removed unfinished checkpoint {unfinished} (" in caplog.text

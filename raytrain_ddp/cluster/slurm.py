@@ -336,8 +336,9 @@ class Launcher:
         self.trainer = subprocess.Popen(cmd)
         rc = self.wait_for_trainer()
         self.trainer = None
-        log.info("trainer exited with code %d; run directory: %s", rc, self.run_dir(chosen))
-        failed_on = health.nodes_the_run_failed_on(self.summary(chosen), plan.nodes) if rc != 0 else []
+        run_dir = self.run_dir(chosen)  # opens the storage (on object storage, a connection): once
+        log.info("trainer exited with code %d; run directory: %s", rc, run_dir)
+        failed_on = health.nodes_the_run_failed_on(self.summary(run_dir), plan.nodes) if rc != 0 else []
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
@@ -358,10 +359,11 @@ class Launcher:
         """Why the job is not requeued without the nodes its failure is blamed on (None: it is)."""
         return health.why_not_requeued(self.plan.restart_count, self.plan.max_excluding_requeues)
 
-    def summary(self, chosen: dict) -> dict:
+    @staticmethod
+    def summary(run_dir: RunPath) -> dict:
         """The run's summary.json, local or on object storage ({} when there is none, or it does not read)."""
         try:
-            return json.loads((self.run_dir(chosen) / "summary.json").read_text())
+            return json.loads((run_dir / "summary.json").read_text())
         except (OSError, ValueError):
             return {}
 

@@ -261,24 +261,27 @@ def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn
     }
 
 
-def check_model_builds(config: TrainConfig, plan: DataPlan, model_fn) -> None:
-    """Build the model on the meta device (no memory): wrong model/data pairs and broken plug-ins fail here."""
+def model_shapes(config: TrainConfig, plan: DataPlan, model_fn) -> dict[str, tuple[int, ...]]:
+    """Build the model on the meta device (no memory): wrong model/data pairs and broken plug-ins fail here.
+    Returns the shape of each tensor of its state, by name: what a checkpoint it resumes from must hold."""
     import torch
 
     with torch.device("meta"):
-        build_model(config, plan.spec, model_fn)
+        model = build_model(config, plan.spec, model_fn)
+    return {name: tuple(value.shape) for name, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
 
 
-def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> dict | None:
-    """The model builds for this data, and --resume-from was made for both; returns --resume-from's state."""
+def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> tuple[dict | None, dict[str, tuple[int, ...]]]:
+    """The model builds for this data, and --resume-from was made for both: --resume-from's state (or None)
+    and the model's tensor shapes."""
     if plan.spec.train_rows < config.num_workers:
         where = "the training data" if config.uses_parquet or plan.spec.kind == "custom" else "--train-size"
         raise ConfigError(
             f"{where} holds {plan.spec.train_rows} training rows, fewer than --num-workers "
             f"{config.num_workers}: every worker needs at least one"
         )
-    check_model_builds(config, plan, model_fn)
-    return run_checkpoints.check_resume_from(config, plan.spec) if config.resume_from else None
+    shapes = model_shapes(config, plan, model_fn)
+    return (run_checkpoints.check_resume_from(config, plan.spec, shapes) if config.resume_from else None), shapes
 
 
 def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> FitResult:
@@ -301,7 +304,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     run_directory.check(config)  # a finished run, or the name taken by other work: before Ray starts
     if not dataset_fn:
         plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
-        start_state = _check_plan(config, plan, model_fn)
+        start_state, shapes = _check_plan(config, plan, model_fn)
     if config.mlflow_uri:
         tracker.require("mlflow", "--mlflow-uri", "mlflow", "MLflow")
     if config.wandb_project:
@@ -310,7 +313,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     stop_signal.take_back()
     if dataset_fn:
         plan = plugin_plan(config, dataset_fn, dataset_label)
-        start_state = _check_plan(config, plan, model_fn)
+        start_state, shapes = _check_plan(config, plan, model_fn)
     nodes = preflight.node_table()
     start_workers = preflight.check_fits(config, nodes)
     if config.use_gpu:
@@ -318,7 +321,7 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     run_dir = run_directory.prepare(config)
     log_file, log_spool = _log_to_console_and_file(run_dir)
     try:
-        _choose_start(config, run_dir, start_state)
+        _choose_start(config, run_dir, start_state, shapes)
         return _train(config, plan, run_dir, dashboard_url, nodes, start_workers, started, plugins, stop_signal)
     finally:
         log.removeHandler(log_file)
@@ -327,13 +330,23 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
         log_spool.upload()
 
 
-def _choose_start(config: TrainConfig, run_dir: RunPath, start_state: dict | None) -> None:
-    """A run with checkpoints of its own continues from its newest good one; else --resume-from's."""
-    run_checkpoints.clear_unrecorded(run_dir)
-    if run_checkpoints.has_own_checkpoints(run_dir):
-        resume_from = run_checkpoints.set_aside_corrupt_latest(run_dir)
-        if resume_from:
-            log.info("Resuming from checkpoint %s", resume_from)
+def _choose_start(
+    config: TrainConfig, run_dir: RunPath, start_state: dict | None, shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """A run with checkpoints of its own continues from its newest good one (of this model); else
+    --resume-from's."""
+    snapshot = run_checkpoints.read_snapshot(run_dir)  # None: no checkpoints of its own
+    run_checkpoints.clear_unrecorded(run_dir, snapshot)
+    if snapshot is not None:
+        latest = run_checkpoints.set_aside_corrupt_latest(run_dir, snapshot)
+        if latest:
+            run_checkpoints.check_fits_model(
+                *latest,
+                shapes,
+                f"run {config.name!r}'s latest checkpoint {latest[0]}",
+                "build the model it was trained with, or choose another --name",
+            )
+            log.info("Resuming from checkpoint %s", run_checkpoints.describe(*latest))
         if start_state is not None:
             log.info("Run %s has checkpoints of its own: continuing from them, not from --resume-from", config.name)
     elif start_state is not None:

@@ -30,6 +30,7 @@ from raytrain_ddp.worker.checkpoint import (
     entry_point,
     is_sharded,
     load_file,
+    model_shapes,
     shard_problem,
 )
 
@@ -48,6 +49,7 @@ REQUIRED_KEYS = (
     "config",
     "data_spec",
 )
+MISMATCHES_NAMED = 3  # a model that does not fit a checkpoint: the first few tensors that differ
 SHARDED_KEYS = ("model", "optimizer")  # in a sharded checkpoint's shards/, not in its training_state.pt
 CORRUPT_DIR = "corrupt"
 CHECKPOINT_GLOB = "checkpoint_*"  # Ray Train's checkpoint directories (and ShardedSaver's, named alike)
@@ -80,24 +82,53 @@ def describe(checkpoint_dir: RunPath, state: dict) -> str:
     return f"{checkpoint_dir} (epoch {state['epoch']}{step})"
 
 
-# ------------------------------------------------------------------ a resumed run
-def set_aside_corrupt_latest(run_dir: RunPath) -> str | None:
-    """Make sure the checkpoint Ray Train will resume from loads; return what it is.
+def model_mismatch(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str | None:
+    """How a checkpoint's model tensors (`saved`, name -> shape) differ from the model's (`wanted`), or None."""
 
-    Newest first, each checkpoint that does not load is logged, moved to
+    def named(names: list[str], say) -> str:
+        more = f" and {len(names) - MISMATCHES_NAMED} more" if len(names) > MISMATCHES_NAMED else ""
+        return ", ".join(say(name) for name in names[:MISMATCHES_NAMED]) + more
+
+    differ = [name for name in wanted if name in saved and saved[name] != wanted[name]]
+    missing = [name for name in wanted if name not in saved]
+    extra = [name for name in saved if name not in wanted]
+    found = [
+        *([named(differ, lambda n: f"{n} is {list(saved[n])} there, {list(wanted[n])} here")] if differ else []),
+        *([f"it lacks {named(missing, str)}"] if missing else []),
+        *([f"this model has no {named(extra, str)}"] if extra else []),
+    ]
+    return "; ".join(found) or None
+
+
+def check_fits_model(
+    checkpoint_dir: RunPath, state: dict, wanted: dict[str, tuple[int, ...]], what: str, remedy: str
+) -> None:
+    """ConfigError when the checkpoint's model is not the model this run builds (`wanted`: name -> shape): one
+    line before any worker starts, not each rank's load_state_dict traceback."""
+    if mismatch := model_mismatch(model_shapes(checkpoint_dir, state), wanted):
+        raise ConfigError(f"{what} holds another model than this run's ({mismatch}); {remedy}")
+
+
+# ------------------------------------------------------------------ a resumed run
+def read_snapshot(run_dir: RunPath) -> dict | None:
+    """Ray Train's snapshot of the run's checkpoints (None: the run has none); ConfigError when unreadable."""
+    return _ray_compat.read_snapshot(run_dir)
+
+
+def set_aside_corrupt_latest(run_dir: RunPath, state: dict) -> tuple[RunPath, dict] | None:
+    """Make sure the checkpoint Ray Train will resume from loads; return it (its directory and state).
+
+    Newest first, each checkpoint of the snapshot `state` that does not load is logged, moved to
     RUN_DIR/corrupt/ and dropped from the snapshot, until a good one is the
     latest; with none left the run starts from scratch.
     """
-    state = _ray_compat.read_snapshot(run_dir)
-    if state is None:
-        return None
     if _ray_compat.drop_unsaved_metrics(state):
         _ray_compat.write_snapshot(run_dir, state)
     corrupt, resume_from = [], None
     for name in _ray_compat.checkpoints_newest_first(state):
         checkpoint_state, why = read_verified(run_dir / name)
         if why is None:
-            resume_from = describe(run_dir / name, checkpoint_state)
+            resume_from = run_dir / name, checkpoint_state
             break
         log.error(
             "Checkpoint %s is corrupt (%s): moved to %s/; resuming from the one before it",
@@ -117,12 +148,12 @@ def set_aside_corrupt_latest(run_dir: RunPath) -> str | None:
     return resume_from
 
 
-def clear_unrecorded(run_dir: RunPath) -> None:
+def clear_unrecorded(run_dir: RunPath, state: dict | None) -> None:
     """Checkpoint directories of the run that Ray Train never recorded: the run ended (crashed, killed) while
     one was being written (a sharded one's ranks still writing, a full one's upload cut short), or after its
     write but before its report. Ray Train's retention never sees them: one that does not load is removed,
-    one that does is kept and named (it is not resumed from: Ray Train resumes from its latest recorded)."""
-    state = _ray_compat.read_snapshot(run_dir)
+    one that does is kept and named (it is not resumed from: Ray Train resumes from its latest recorded).
+    `state`: the run's snapshot (None when it has none)."""
     recorded = set(_ray_compat.checkpoints_newest_first(state)) if state else set()
     directories: list[RunPath] = sorted(run_dir.glob(CHECKPOINT_GLOB), key=str)
     for directory in directories:
@@ -141,8 +172,9 @@ def clear_unrecorded(run_dir: RunPath) -> None:
 
 
 # ----------------------------------------------------------------- --resume-from
-def check_resume_from(config: TrainConfig, spec) -> dict:
-    """The --resume-from checkpoint's state, once it is known to fit this run. Raises ConfigError."""
+def check_resume_from(config: TrainConfig, spec, model: dict[str, tuple[int, ...]]) -> dict:
+    """The --resume-from checkpoint's state, once it is known to fit this run and its `model` (tensor name ->
+    shape). Raises ConfigError."""
     given, checkpoint_dir = _resume_from(config)
     flag = f"--resume-from {config.resume_from!r}"
     if not given.exists():
@@ -162,6 +194,7 @@ def check_resume_from(config: TrainConfig, spec) -> dict:
             f"{flag} has already trained {state['epoch']} epochs; ask for more --epochs "
             f"(the total, counting those), got {config.epochs}"
         )
+    check_fits_model(checkpoint_dir, state, model, flag, "give it a checkpoint of this model")
     return state
 
 

@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.redact import redact_values
@@ -154,6 +155,20 @@ def shard_problem(directory: str | RunPath) -> str | None:
         if path.stat().st_size < size:
             return f"shard {SHARDS_DIR}/{name} is truncated ({path.stat().st_size} of {size} bytes)"
     return None
+
+
+def model_shapes(directory: str | RunPath, state: dict) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of the checkpoint's model, by name: `state`'s (read by :func:`load_file`), or a
+    sharded one's from DCP's index (nothing loaded)."""
+    if not is_sharded(directory):
+        return {name: tuple(value.shape) for name, value in state["model"].items() if isinstance(value, torch.Tensor)}
+    shards = local_path(directory, "sharded checkpoints") / SHARDS_DIR
+    index = FileSystemReader(str(shards)).read_metadata().state_dict_metadata
+    return {
+        key.removeprefix("model."): tuple(item.size)
+        for key, item in index.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
 
 
 def load(checkpoint: Checkpoint) -> dict:
