@@ -95,6 +95,51 @@ def test_nodes_the_run_failed_on_come_from_the_summary():
     assert health.nodes_the_run_failed_on({}, NODES) == []
 
 
+def _probe(host: str, cuda: bool) -> dict:
+    """What preflight's CUDA probe returns from a Ray worker on `host`."""
+    return {"host": host, "cuda": cuda, "torch_cuda": "13.0", "visible": "0,1"}
+
+
+def test_gpus_cuda_sees_on_no_node_are_the_environments_fault_and_on_some_those_nodes():
+    from raytrain_ddp.driver.preflight import UnusableGPUNodes, judge_cuda_probes
+    from raytrain_ddp.errors import ConfigError
+
+    judge_cuda_probes([_probe("n1", True), _probe("n2", True)])  # CUDA works everywhere
+    with pytest.raises(ConfigError, match=r"^--use-gpu: Ray counts GPUs on n1, n2, but CUDA sees none in a Ray "):
+        judge_cuda_probes([_probe("n1", False), _probe("n2", False)])  # a CPU-only torch, no driver anywhere
+    with pytest.raises(UnusableGPUNodes) as faulty:  # one node's driver is broken
+        judge_cuda_probes([_probe("n1", True), _probe("n2", False), _probe("n3", True)])
+    assert faulty.value.hosts == ["n2"]
+    assert str(faulty.value) == (
+        "GPU check failed on n2: Ray counts GPUs there, but CUDA sees none in a Ray worker (CUDA_VISIBLE_DEVICES=0,1, "
+        "torch built for CUDA 13.0), while it does on the other 2 node(s); check that node's driver with nvidia-smi"
+    )
+
+
+def test_nodes_whose_gpus_cuda_did_not_see_reach_the_launcher_through_the_summary(tmp_path):
+    """The driver's summary of a run that failed on some nodes' GPUs, as the Slurm launcher reads it: those
+    nodes, to requeue the job without them; what the summary said of earlier attempts stays."""
+    import json
+
+    from raytrain_ddp.cluster.slurm import Launcher
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.driver.fit import _failed_before_start
+    from raytrain_ddp.driver.preflight import UnusableGPUNodes, judge_cuda_probes
+
+    config = TrainConfig(storage_path=str(tmp_path), name="gpus")
+    config.run_dir.mkdir()
+    (config.run_dir / "summary.json").write_text(json.dumps({"status": "stopped", "epochs_completed": 3}))
+    with pytest.raises(UnusableGPUNodes) as faulty:
+        judge_cuda_probes([_probe("n1.cluster.local", True), _probe("n3.cluster.local", False)])
+    result = _failed_before_start(config, str(faulty.value), gpu_failed_nodes=faulty.value.hosts)
+    assert not result.ok and not result.stopped
+    summary = Launcher.summary(config.run_dir)
+    assert summary == result.summary and summary["epochs_completed"] == 3 and summary["status"] == "failed"
+    assert health.nodes_the_run_failed_on(summary, NODES) == ["n3"]
+    # a stale list of such nodes is not read when the run failed otherwise
+    assert health.nodes_the_run_failed_on({**summary, "error": "non-finite loss at step 3"}, NODES) == []
+
+
 def test_the_exclusion_list_merges_with_the_jobs_own():
     shown = "JobId=5 JobName=raytrain\n   ReqNodeList=(null) ExcNodeList=n7 Features=(null)"
     assert health.job_field(shown, "ExcNodeList") == "n7"

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 NETCHECK_TIMEOUT_S = 30.0  # default of RAYTRAIN_NETCHECK_TIMEOUT_S: a few connections, seconds on a sane network
 # default of RAYTRAIN_MAX_EXCLUDING_REQUEUES: a failure that follows the job from node to node is not the nodes'
 MAX_EXCLUDING_REQUEUES = 3
+# how the trainer's summary error begins when CUDA saw no GPU on some nodes but did on others (driver/preflight)
+GPU_CHECK_FAILED = "GPU check failed on "
 
 
 def _env_number(env: Mapping[str, str], name: str, default: float, high: float, meaning: str) -> float:
@@ -92,12 +94,17 @@ def _weight(node: str, pairs: Mapping[tuple[str, str], str], nodes: list[str]) -
 
 def nodes_the_run_failed_on(summary: Mapping, nodes: list[str]) -> list[str]:
     """The job's nodes a run failed on, from its summary: the lost nodes when a lost node ended it, the
-    nodes of the ranks the watchdog ended when a hang did (lost_nodes / stuck_nodes; Ray's host names may
-    carry a domain). None for any other failure: a NaN or a bad flag fails on every node alike."""
-    if not str(summary.get("error") or "").startswith(("lost node ", "watchdog: ")):
+    nodes of the ranks the watchdog ended when a hang did, the nodes whose GPUs CUDA did not see when
+    others' it did (lost_nodes / stuck_nodes / gpu_failed_nodes; Ray's host names may carry a domain).
+    None for any other failure: a NaN or a bad flag fails on every node alike."""
+    error = str(summary.get("error") or "")
+    if error.startswith(GPU_CHECK_FAILED):
+        named = list(summary.get("gpu_failed_nodes") or [])
+    elif error.startswith(("lost node ", "watchdog: ")):
+        named = [n.get("hostname", "") for n in summary.get("lost_nodes") or []]
+        named += list(summary.get("stuck_nodes") or [])
+    else:
         return []
-    named = [n.get("hostname", "") for n in summary.get("lost_nodes") or []]
-    named += list(summary.get("stuck_nodes") or [])
     short = {str(h).split(".")[0] for h in named if h}
     return [n for n in nodes if n.split(".")[0] in short]
 

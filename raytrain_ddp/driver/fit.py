@@ -317,7 +317,10 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
     nodes = preflight.node_table()
     start_workers = preflight.check_fits(config, nodes)
     if config.use_gpu:
-        preflight.check_gpus_usable(nodes)
+        try:
+            preflight.check_gpus_usable(nodes)
+        except preflight.UnusableGPUNodes as err:
+            return _failed_before_start(config, str(err), gpu_failed_nodes=err.hosts)
     run_dir = run_directory.prepare(config)
     log_file, log_spool = _log_to_console_and_file(run_dir)
     try:
@@ -328,6 +331,15 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
         progress_log.removeHandler(log_file)
         log_file.close()
         log_spool.upload()
+
+
+def _failed_before_start(config: TrainConfig, error: str, **named: list) -> FitResult:
+    """A run that failed on some nodes before any worker started: summary.json says so, naming them (`named`,
+    what the Slurm launcher reads to requeue the job without them); what it said of earlier attempts stays."""
+    log.error("Training failed: %s", error)
+    summary = {**run_directory.read_summary(config.run_dir), "status": "failed", "error": error, **named}
+    _write_summary(config.run_dir, summary)
+    return FitResult(config.run_dir, summary, [])
 
 
 def _choose_start(
@@ -469,7 +481,7 @@ def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRec
 def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) -> None:
     """summary.json (whole, credentials masked), the link to Ray's logs, the report (not after a Ctrl-C):
     a report that fails is logged, never the run's outcome."""
-    write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")
+    _write_summary(run_dir, summary)
     _link_ray_logs(run_dir)
     if config.report and report:
         try:
@@ -481,6 +493,10 @@ def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) 
                 one_line(err),
                 run_dir,
             )
+
+
+def _write_summary(run_dir: RunPath, summary: dict) -> None:
+    write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")  # whole, masked
 
 
 def _link_ray_logs(run_dir: RunPath) -> None:

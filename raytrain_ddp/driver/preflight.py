@@ -19,6 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp import _ray_compat
+from raytrain_ddp.cluster.health import GPU_CHECK_FAILED
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import ConfigError, first_line
 
@@ -167,23 +168,47 @@ def _cuda_probe() -> dict:
     }
 
 
+class UnusableGPUNodes(Exception):
+    """CUDA sees no GPU on some nodes while it does on others: a fault of those nodes (a broken driver),
+    which a Slurm job mends by a requeue without them. `hosts`: their host names."""
+
+    def __init__(self, message: str, hosts: list[str]) -> None:
+        super().__init__(message)
+        self.hosts = hosts
+
+
 def check_gpus_usable(nodes: list[dict]) -> None:
-    """ConfigError when Ray counts GPUs on a node but CUDA sees none in a Ray worker there
-    (a CPU-only torch, a missing driver): NCCL would fail, or workers would train on CPU unnoticed."""
+    """Probe, in a Ray worker on each node where Ray counts GPUs, whether CUDA sees one (a CPU-only torch, a
+    missing driver: NCCL would fail, or workers would train on CPU unnoticed); see :func:`judge_cuda_probes`."""
     probes = [
         _cuda_probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["node_id"], soft=False)).remote()
         for node in nodes
         if node["gpus"]
     ]
     ready, _ = ray.wait(probes, num_returns=len(probes), timeout=CUDA_PROBE_TIMEOUT_S)
-    for seen in ray.get(ready):
-        if not seen["cuda"]:
-            build = f"CUDA {seen['torch_cuda']}" if seen["torch_cuda"] else "no CUDA (a CPU-only build)"
-            raise ConfigError(
-                f"--use-gpu: Ray counts GPUs on {seen['host']}, but CUDA sees none in a Ray worker "
-                f"there (CUDA_VISIBLE_DEVICES={seen['visible']}, torch built for {build}); check the "
-                "driver with nvidia-smi and that the cluster's environment has a CUDA build of torch"
-            )
+    judge_cuda_probes(ray.get(ready))
+
+
+def judge_cuda_probes(seen: list[dict]) -> None:
+    """Nothing when CUDA sees GPUs on every node probed. ConfigError when it sees none on any: the environment
+    (a CPU-only torch, no driver anywhere) is the same on every node, so other nodes would not help.
+    UnusableGPUNodes when it sees none on some nodes but does on others: those nodes are at fault."""
+    failed = [probe for probe in seen if not probe["cuda"]]
+    if not failed:
+        return
+    hosts = [probe["host"] for probe in failed]
+    build = f"CUDA {failed[0]['torch_cuda']}" if failed[0]["torch_cuda"] else "no CUDA (a CPU-only build)"
+    what = f"CUDA_VISIBLE_DEVICES={failed[0]['visible']}, torch built for {build}"
+    if len(failed) == len(seen):
+        raise ConfigError(
+            f"--use-gpu: Ray counts GPUs on {', '.join(hosts)}, but CUDA sees none in a Ray worker there ({what}); "
+            "check the driver with nvidia-smi and that the cluster's environment has a CUDA build of torch"
+        )
+    raise UnusableGPUNodes(
+        f"{GPU_CHECK_FAILED}{', '.join(hosts)}: Ray counts GPUs there, but CUDA sees none in a Ray worker ({what}), "
+        f"while it does on the other {len(seen) - len(failed)} node(s); check that node's driver with nvidia-smi",
+        hosts,
+    )
 
 
 # A Ray started here shares the cores among more CPU workers than there are (a laptop runs 2 workers + data
