@@ -13,13 +13,14 @@ from pathlib import Path
 
 from raytrain_ddp.driver.run_checkpoints import read_verified
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
+from raytrain_ddp.storage import location
 from raytrain_ddp.worker.checkpoint import consolidate, is_sharded
 
 
 def consolidate_checked(checkpoint: str, out: str) -> Path:
     """Consolidate after checking the checkpoint (consolidate itself refuses an OUT that exists). Raises
     ConfigError."""
-    source = Path(checkpoint)
+    source = location(checkpoint, "CHECKPOINT")  # a local path, or a URI on object storage
     if not source.is_dir():
         raise ConfigError(f"{checkpoint!r} is not a checkpoint directory")
     if not is_sharded(source):

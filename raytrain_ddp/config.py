@@ -366,12 +366,7 @@ class TrainConfig:
             raise ConfigError("--train-data and --val-data go together")
         _check_wandb_names(self.wandb_project, self.wandb_entity)
         if self.checkpoint_format == "auto":  # the one place the default is decided
-            self.checkpoint_format = "sharded" if self.strategy == "fsdp" and "://" not in self.storage_path else "full"
-        if self.checkpoint_format == "sharded" and "://" in self.storage_path:
-            raise ConfigError(
-                f"--checkpoint-format sharded writes into the run directory on a filesystem; --storage-path "
-                f"{self.storage_path!r} is a URI: use --checkpoint-format full"
-            )
+            self.checkpoint_format = "sharded" if self.strategy == "fsdp" else "full"
         if self.name is None:
             self.name = "run-" + _timestamp()
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):

@@ -15,12 +15,14 @@ Credentials come from the environment, as pyarrow and Ray Train read them
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import io
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
@@ -212,6 +214,19 @@ def copy_tree(source: RunPath, target: RunPath) -> None:
         return
     (source_path, source_fs), (target_path, target_fs) = _fs_path(source), _fs_path(target)
     pafs.copy_files(source_path, target_path, source_filesystem=source_fs, destination_filesystem=target_fs)
+
+
+@contextlib.contextmanager
+def local_copy(where: RunPath) -> Iterator[Path]:
+    """A directory as a local path for the `with` block: itself, or a temporary copy from object storage."""
+    if isinstance(where, Path):
+        yield where
+        return
+    with tempfile.TemporaryDirectory(prefix="raytrain-copy-") as scratch:
+        copy = Path(scratch) / where.name
+        copy.mkdir()  # pyarrow makes the directories below it, not the top one
+        copy_tree(where, copy)
+        yield copy
 
 
 def _fs_path(where: RunPath) -> tuple[str, pafs.FileSystem]:

@@ -105,11 +105,6 @@ CASES = [
         "argument --checkpoint-format: invalid choice: 'zip'",
     ),
     (
-        "sharded-checkpoints-on-a-uri",
-        ["--checkpoint-format", "sharded", "--storage-path", "s3://bucket/runs"],
-        "--checkpoint-format sharded writes into the run directory on a filesystem; --storage-path 's3://bucket/runs'",
-    ),
-    (
         "negative-checkpoint-every-steps",
         ["--checkpoint-every-steps", "-5"],
         "--checkpoint-every-steps must be at least 0, got -5",

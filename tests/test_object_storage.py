@@ -106,6 +106,43 @@ def test_a_run_on_s3_writes_everything_there_and_resumes_past_a_corrupt_checkpoi
     assert _scheme_folders(tmp_path, REPO) == []
 
 
+@pytest.mark.ray
+def test_sharded_checkpoints_in_a_bucket_resume_at_another_world_size_and_consolidate(ray_address, s3_server, tmp_path):
+    """FSDP's sharded checkpoints with the run directory in a bucket: every rank's shards are uploaded into one
+    checkpoint directory there; the run continues on 1 worker from 2 workers' shards read back from the bucket,
+    and consolidate and evaluate take the checkpoint's URI."""
+    import torch
+
+    storage, fs = _storage(s3_server, "sharded"), _fs(s3_server)
+    run = f"{BUCKET}/sharded/fsdp"
+    train = ["raytrain_ddp.run", "--address", ray_address, "--storage-path", storage, "--name", "fsdp"]
+    train += ["--strategy", "fsdp", "--train-size", "512", "--val-size", "128", "--no-report", "--no-tensorboard"]
+    first = _cli(tmp_path, *train, "--epochs", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(_read(fs, f"{run}/summary.json"))
+    checkpoint = summary["latest_checkpoint"]
+    name = checkpoint.split("?")[0].rsplit("/", 1)[1]
+    stored = fs.get_file_info(pafs.FileSelector(f"{run}/{name}", recursive=True))
+    files = {info.path.removeprefix(f"{run}/{name}/") for info in stored if info.type == pafs.FileType.File}
+    assert {"training_state.pt", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"} <= files, files
+    assert "checkpoint.pt" not in files  # nothing gathered on rank zero
+
+    second = _cli(tmp_path, *train, "--epochs", "2", "--num-workers", "1")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Resuming from checkpoint s3://{run}/{name}" in second.stderr, second.stderr[-3000:]
+    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2]
+    assert json.loads(_read(fs, f"{run}/summary.json"))["epochs_completed"] == 2
+
+    done = _cli(tmp_path, "raytrain_ddp.checkpoint", "consolidate", checkpoint, str(tmp_path / "full"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    full = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
+    assert full["epoch"] == 1 and "features.0.weight" in full["model"]  # the built-in cnn's, whole
+    scored = _cli(tmp_path, "raytrain_ddp.evaluate", checkpoint, "--device", "cpu", "--json")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert json.loads(scored.stdout)["val_accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"])
+    assert _scheme_folders(tmp_path, REPO) == []
+
+
 def test_the_run_lock_is_an_object_in_the_bucket(s3_server, tmp_path, monkeypatch):
     """A second driver on the same run directory is refused; the lock lives in the bucket, not in a local `s3:`."""
     from raytrain_ddp.driver import run_lock

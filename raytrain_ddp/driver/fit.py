@@ -40,7 +40,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
-from raytrain_ddp.storage import RemotePath, RunPath, Spool, display, uri_of
+from raytrain_ddp.storage import RemotePath, RunPath, Spool, display, location, uri_of
 from raytrain_ddp.worker.checkpoint import entry_point
 from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -511,6 +511,12 @@ def _link_ray_logs(run_dir: RunPath) -> None:
         link.symlink_to(Path(session_dir) / "logs")
 
 
+def _entry_uri(config: TrainConfig, fs_path: str) -> str:
+    """The checkpoint Ray Train names by its path in the storage, as a user hands it to evaluate or
+    --resume-from: a local path, or a URI with the storage's options."""
+    return uri_of(entry_point(location(display(config.storage_path, fs_path))))
+
+
 def _summary(
     config: TrainConfig,
     data_kind: str,
@@ -529,7 +535,7 @@ def _summary(
     scored = [pair for pair in pairs if math.isfinite(pair[1].get(metric, math.inf))]
     if scored:
         checkpoint, best_metrics = (max if mode == "max" else min)(scored, key=lambda pair: pair[1][metric])
-        best_checkpoint = display(config.storage_path, entry_point(checkpoint.path))
+        best_checkpoint = _entry_uri(config, checkpoint.path)
     checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:
         error = f"watchdog: {recorder.hangs[-1]} -> {error}"
@@ -540,7 +546,7 @@ def _summary(
         "status": "failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
         "error": error,
         "stop_reason": stop_reason if stopped else None,
-        "resume_checkpoint": display(config.storage_path, entry_point(latest.path)) if stopped and latest else None,
+        "resume_checkpoint": _entry_uri(config, latest.path) if stopped and latest else None,
         "name": config.name,
         "run_dir": uri_of(recorder.run_dir),
         "epochs_completed": len(epochs),
@@ -557,7 +563,7 @@ def _summary(
         "best_checkpoint": best_checkpoint,
         "best_metrics": best_metrics,
         "checkpoints_ranked_by": f"{metric} ({mode})",
-        "latest_checkpoint": display(config.storage_path, entry_point(latest.path)) if latest else None,
+        "latest_checkpoint": _entry_uri(config, latest.path) if latest else None,
         "samples_per_second": _mean_of(epochs, "samples_per_second"),
         "model_tflops_per_second": _mean_of(epochs, "model_tflops_per_second"),
         "mfu": _mean_of(epochs, "mfu"),

@@ -27,16 +27,20 @@ any world size (DCP reshards on load); :func:`consolidate` turns it into the ful
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import pyarrow.fs as pafs
 import ray.train
 import torch
 import torch.distributed as dist
@@ -44,11 +48,11 @@ import torch.distributed.checkpoint as dcp
 from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.redact import redact_values
-from raytrain_ddp.storage import RunPath, local_path
+from raytrain_ddp.storage import RemotePath, RunPath, local_copy, location
 
 CHECKPOINT_FILE = "checkpoint.pt"
 SHARDS_DIR = "shards"  # a sharded checkpoint's DCP directory
@@ -112,15 +116,14 @@ def _save_atomic(state: dict, path: Path) -> None:
 
 
 def is_sharded(directory: str | RunPath) -> bool:
-    """A sharded checkpoint's directory (a RemotePath on object storage is never one: config refuses it)."""
-    where = Path(directory) if isinstance(directory, str) else directory
+    """A sharded checkpoint's directory (local or on object storage)."""
+    where = location(directory) if isinstance(directory, str) else directory
     return (where / TRAINING_STATE_FILE).exists() or (where / SHARDS_DIR).is_dir()
 
 
-def entry_point(directory: str | RunPath) -> str:
+def entry_point(directory: RunPath) -> RunPath:
     """What a user hands `evaluate` or --resume-from: the full format's checkpoint.pt, a sharded one's directory."""
-    where = Path(directory) if isinstance(directory, str) else directory
-    return str(where) if is_sharded(where) else str(where / CHECKPOINT_FILE)
+    return directory if is_sharded(directory) else directory / CHECKPOINT_FILE
 
 
 def new_checkpoint_name() -> str:
@@ -138,22 +141,41 @@ def load_file(path: str | Path | BinaryIO) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _shard_index(directory: str | RunPath) -> tuple[Metadata, dict[str, int | None]]:
+    """DCP's index of a sharded checkpoint (local or on object storage: only the index is fetched) and the size
+    of each shard file it names (None: missing). Raises what reading the index raises."""
+    shards = (location(directory) if isinstance(directory, str) else directory) / SHARDS_DIR
+    if isinstance(shards, RemotePath):
+        with tempfile.TemporaryDirectory(prefix="raytrain-index-") as scratch:
+            (Path(scratch) / ".metadata").write_bytes((shards / ".metadata").read_bytes())
+            metadata = FileSystemReader(scratch).read_metadata()
+    else:
+        metadata = FileSystemReader(str(shards)).read_metadata()
+    names = sorted({info.relative_path for info in metadata.storage_data.values()})
+    return metadata, {name: _size(shards / name) for name in names}
+
+
+def _size(path: RunPath) -> int | None:
+    if isinstance(path, RemotePath):
+        info = path.fs.get_file_info(path.path)
+        return info.size if info.type == pafs.FileType.File else None
+    return path.stat().st_size if path.is_file() else None
+
+
 def shard_problem(directory: str | RunPath) -> str | None:
     """Why a sharded checkpoint's shards cannot be read (index unreadable, a shard missing or short), else None."""
-    shards = local_path(directory, "sharded checkpoints") / SHARDS_DIR
     try:
-        metadata = FileSystemReader(str(shards)).read_metadata()
+        metadata, sizes = _shard_index(directory)
     except Exception as err:  # missing, truncated, not DCP's: all mean "unusable"
         return f"{SHARDS_DIR}/.metadata does not load ({type(err).__name__})"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
-        path = shards / name
-        if not path.is_file():
+        if sizes[name] is None:
             return f"shard {SHARDS_DIR}/{name} is missing"
-        if path.stat().st_size < size:
-            return f"shard {SHARDS_DIR}/{name} is truncated ({path.stat().st_size} of {size} bytes)"
+        if sizes[name] < size:
+            return f"shard {SHARDS_DIR}/{name} is truncated ({sizes[name]} of {size} bytes)"
     return None
 
 
@@ -162,40 +184,45 @@ def model_shapes(directory: str | RunPath, state: dict) -> dict[str, tuple[int, 
     sharded one's from DCP's index (nothing loaded)."""
     if not is_sharded(directory):
         return {name: tuple(value.shape) for name, value in state["model"].items() if isinstance(value, torch.Tensor)}
-    shards = local_path(directory, "sharded checkpoints") / SHARDS_DIR
-    index = FileSystemReader(str(shards)).read_metadata().state_dict_metadata
     return {
         key.removeprefix("model."): tuple(item.size)
-        for key, item in index.items()
+        for key, item in _shard_index(directory)[0].state_dict_metadata.items()
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
 
 
-def load(checkpoint: Checkpoint) -> dict:
-    """The state in a Ray Train checkpoint, read on this worker. A sharded one's model and optimizer stay on
-    storage: ``state["shards"]`` says where (the checkpoint lives on the run's filesystem, so the path lasts)."""
+@contextlib.contextmanager
+def loaded(checkpoint: Checkpoint) -> Iterator[dict]:
+    """The state in a Ray Train checkpoint, read on this worker, for the `with` block. A sharded one's model and
+    optimizer stay in its shards: ``state["shards"]`` says where (in the run directory, or a copy Ray Train
+    downloads for the block, shared by the node's ranks, when that is on object storage)."""
     with checkpoint.as_directory() as directory:
         state = load_file(directory)
         if is_sharded(directory):
             state["shards"] = os.path.join(directory, SHARDS_DIR)
-    torch.set_rng_state(state["rng"]["torch"])
-    return state
+        torch.set_rng_state(state["rng"]["torch"])
+        yield state
 
 
-def consolidate(checkpoint_dir: str | Path, out: str | Path) -> Path:
-    """Write a sharded checkpoint as one full-format checkpoint: the new directory `out`, holding checkpoint.pt.
+def consolidate(checkpoint_dir: str | RunPath, out: str | Path) -> Path:
+    """Write a sharded checkpoint (local or on object storage) as one full-format checkpoint: the new local
+    directory `out`, holding checkpoint.pt.
 
     On one process, without a process group; the whole state is in memory once. Raises ConfigError when
     `out` exists (nothing is overwritten). Written beside `out` and renamed: a failed one leaves no `out`."""
     out = Path(out)
     if out.exists():
         raise ConfigError(f"{out} already exists; consolidate writes a new file and overwrites nothing")
-    state = load_file(checkpoint_dir)
-    state.pop("format", None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch:
+    source = location(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
+    with (
+        local_copy(source) as checkpoint,
+        tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch,
+    ):
+        state = load_file(checkpoint)
+        state.pop("format", None)
         shards = Path(scratch) / "shards.pt"
-        dcp_to_torch_save(str(Path(checkpoint_dir) / SHARDS_DIR), str(shards))
+        dcp_to_torch_save(str(checkpoint / SHARDS_DIR), str(shards))
         tensors = torch.load(shards, map_location="cpu", weights_only=True)
         shards.unlink()
         written = Path(scratch) / "out"
@@ -233,6 +260,18 @@ class _Pending:
     metrics: dict
 
 
+def report_uploaded(metrics: dict, directory: Path, rank: int) -> None:
+    """Ray Train's report of the checkpoint this rank staged in `directory` (a local one of its own) for a run
+    directory on object storage: every rank's files are uploaded into one checkpoint directory of that name
+    there (Ray Train merges them), then deleted here. Every rank calls it: it is a barrier."""
+    ray.train.report(
+        metrics,
+        checkpoint=Checkpoint.from_directory(str(directory)),
+        checkpoint_dir_name=directory.name,
+        delete_local_checkpoint_after_upload=True,
+    )
+
+
 class ShardedSaver:
     """Sharded checkpoints written in the background, straight into the run directory.
 
@@ -242,6 +281,8 @@ class ShardedSaver:
     already lies in the run directory) once every rank's write is done: :meth:`flush`, called by the
     training loop at the first stop check that finds every rank's :meth:`done_here`, else before the next
     save or when the run ends. Until then Ray Train does not know it: a crash resumes from the one before.
+    A run directory on object storage cannot be written into by DCP: each rank writes into a local
+    directory of its own, and its report uploads it (:func:`report_uploaded`), which the flush waits for.
     DCP's collectives run on their own gloo group (in the writing thread; the next one waits for it), so
     they never interleave with training's collectives, and async_save gets the CPU group it needs on GPUs.
     """
@@ -249,9 +290,17 @@ class ShardedSaver:
     FLUSH_POLL_S = 0.5  # while a flush waits, how often the bytes written are told to `progress`
 
     def __init__(self, run_dir: str | RunPath, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
-        """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`)."""
-        self.run_dir, self.rank = local_path(run_dir, "sharded checkpoints"), rank
-        self.report = report or functools.partial(report_written, rank=rank)
+        """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`,
+        or :func:`report_uploaded` for a run directory on object storage)."""
+        run_dir = location(run_dir) if isinstance(run_dir, str) else run_dir
+        self.rank = rank
+        if isinstance(run_dir, RemotePath):
+            self.write_dir = Path(tempfile.mkdtemp(prefix="raytrain-shards-"))  # this rank's own
+            weakref.finalize(self, shutil.rmtree, self.write_dir, True)
+        else:
+            self.write_dir = run_dir
+        upload = isinstance(run_dir, RemotePath)
+        self.report = report or functools.partial(report_uploaded if upload else report_written, rank=rank)
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
         self.pending: _Pending | None = None
         # told the bytes the shards hold while a flush waits: the watchdog sees a long write move, a stalled one not
@@ -262,9 +311,9 @@ class ShardedSaver:
         names: list[str | None] = [None]
         if self.rank == 0:  # made before the others learn its name: their DCP writers create it too
             names = [new_checkpoint_name()]
-            (self.run_dir / names[0]).mkdir()  # a new name: an existing directory is never written into
+            (self.write_dir / names[0]).mkdir()  # a new name: an existing directory is never written into
         dist.broadcast_object_list(names, src=0, group=self.group)
-        directory = self.run_dir / names[0]
+        directory = self.write_dir / names[0]
         if self.rank == 0:
             _save_atomic({**plain, "format": "sharded"}, directory / TRAINING_STATE_FILE)
         future = dcp.async_save(
@@ -308,6 +357,8 @@ def _bytes_under(directory: Path) -> int:
 def load_model_weights(checkpoint_dir: str | RunPath, model: torch.nn.Module) -> None:
     """A sharded checkpoint's model weights into a plain model, on one process (DCP assembles the shards)."""
     state = {"model": model.state_dict()}
-    shards = local_path(checkpoint_dir, "sharded checkpoints") / SHARDS_DIR
-    dcp.load(state, checkpoint_id=str(shards), no_dist=True)
+    with local_copy(
+        (location(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir) / SHARDS_DIR
+    ) as shards:
+        dcp.load(state, checkpoint_id=str(shards), no_dist=True)
     model.load_state_dict(state["model"])

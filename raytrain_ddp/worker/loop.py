@@ -303,7 +303,8 @@ class WorkerLoop:
     def resume(self) -> ckpt.Position:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
-            self.position = self.trainer.restore(ckpt.load(resume_from), isinstance(self.train_shard, TrainShard))
+            with ckpt.loaded(resume_from) as state:
+                self.position = self.trainer.restore(state, isinstance(self.train_shard, TrainShard))
             log.info(
                 "rank %d resumed from %s after epoch %d%s",
                 self.rank,
