@@ -154,9 +154,11 @@ def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.FileSystem.from_uri(uri)
 
 
-def location(text: str | os.PathLike, flag: str = "") -> RunPath:
+def location(text: str | os.PathLike | RemotePath, flag: str = "") -> RunPath:
     """A storage path or run directory as the user gave it (`flag`: the option, for errors): a Path when local
-    (file:// included), else remote."""
+    (file:// included), else remote. A RemotePath is already one."""
+    if isinstance(text, RemotePath):
+        return text
     if not is_uri(str(text)):
         return Path(text)
     remote = RemotePath.from_uri(str(text), flag)
@@ -238,10 +240,10 @@ def uri_of(where: RunPath) -> str:
     return str(where) if isinstance(where, Path) else where.uri
 
 
-def display(storage_path: str, fs_path: str) -> str:
-    """A path Ray Train reports inside the storage filesystem (no scheme) as the user can open it again."""
+def stored(storage_path: str, fs_path: str) -> RunPath:
+    """A path Ray Train reports inside the storage filesystem (no scheme), on that storage."""
     where = location(storage_path)
-    return fs_path if isinstance(where, Path) else RemotePath(where.fs, where.scheme, fs_path, where.query).uri
+    return Path(fs_path) if isinstance(where, Path) else RemotePath(where.fs, where.scheme, fs_path, where.query)
 
 
 class Spool:

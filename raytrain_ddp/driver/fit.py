@@ -40,7 +40,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
-from raytrain_ddp.storage import RemotePath, RunPath, Spool, display, location, uri_of
+from raytrain_ddp.storage import RemotePath, RunPath, Spool, stored, uri_of
 from raytrain_ddp.worker.checkpoint import entry_point
 from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -333,11 +333,16 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
         log_spool.upload()
 
 
-def _failed_before_start(config: TrainConfig, error: str, **named: list) -> FitResult:
-    """A run that failed on some nodes before any worker started: summary.json says so, naming them (`named`,
-    what the Slurm launcher reads to requeue the job without them); what it said of earlier attempts stays."""
+def _failed_before_start(config: TrainConfig, error: str, gpu_failed_nodes: list[str]) -> FitResult:
+    """A run that failed on some nodes before any worker started: summary.json says so, naming them (what the
+    Slurm launcher reads to requeue the job without them); what it said of earlier attempts stays."""
     log.error("Training failed: %s", error)
-    summary = {**run_directory.read_summary(config.run_dir), "status": "failed", "error": error, **named}
+    summary = {
+        **run_directory.read_summary(config.run_dir),
+        "status": "failed",
+        "error": error,
+        "gpu_failed_nodes": gpu_failed_nodes,
+    }
     _write_summary(config.run_dir, summary)
     return FitResult(config.run_dir, summary, [])
 
@@ -514,7 +519,7 @@ def _link_ray_logs(run_dir: RunPath) -> None:
 def _entry_uri(config: TrainConfig, fs_path: str) -> str:
     """The checkpoint Ray Train names by its path in the storage, as a user hands it to evaluate or
     --resume-from: a local path, or a URI with the storage's options."""
-    return uri_of(entry_point(location(display(config.storage_path, fs_path))))
+    return uri_of(entry_point(stored(config.storage_path, fs_path)))
 
 
 def _summary(

@@ -117,7 +117,7 @@ def _save_atomic(state: dict, path: Path) -> None:
 
 def is_sharded(directory: str | RunPath) -> bool:
     """A sharded checkpoint's directory (local or on object storage)."""
-    where = location(directory) if isinstance(directory, str) else directory
+    where = location(directory)
     return (where / TRAINING_STATE_FILE).exists() or (where / SHARDS_DIR).is_dir()
 
 
@@ -141,21 +141,19 @@ def load_file(path: str | Path | BinaryIO) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _shard_index(directory: str | RunPath) -> tuple[Metadata, dict[str, int | None]]:
-    """DCP's index of a sharded checkpoint (local or on object storage: only the index is fetched) and the size
-    of each shard file it names (None: missing). Raises what reading the index raises."""
-    shards = (location(directory) if isinstance(directory, str) else directory) / SHARDS_DIR
-    if isinstance(shards, RemotePath):
-        with tempfile.TemporaryDirectory(prefix="raytrain-index-") as scratch:
-            (Path(scratch) / ".metadata").write_bytes((shards / ".metadata").read_bytes())
-            metadata = FileSystemReader(scratch).read_metadata()
-    else:
-        metadata = FileSystemReader(str(shards)).read_metadata()
-    names = sorted({info.relative_path for info in metadata.storage_data.values()})
-    return metadata, {name: _size(shards / name) for name in names}
+def _shard_index(directory: str | RunPath) -> Metadata:
+    """DCP's index of a sharded checkpoint, local or on object storage (only the index is fetched). Raises what
+    reading it raises."""
+    shards = location(directory) / SHARDS_DIR
+    if isinstance(shards, Path):
+        return FileSystemReader(str(shards)).read_metadata()
+    with tempfile.TemporaryDirectory(prefix="raytrain-index-") as scratch:
+        (Path(scratch) / ".metadata").write_bytes((shards / ".metadata").read_bytes())
+        return FileSystemReader(scratch).read_metadata()
 
 
 def _size(path: RunPath) -> int | None:
+    """A file's size (None: missing)."""
     if isinstance(path, RemotePath):
         info = path.fs.get_file_info(path.path)
         return info.size if info.type == pafs.FileType.File else None
@@ -165,17 +163,19 @@ def _size(path: RunPath) -> int | None:
 def shard_problem(directory: str | RunPath) -> str | None:
     """Why a sharded checkpoint's shards cannot be read (index unreadable, a shard missing or short), else None."""
     try:
-        metadata, sizes = _shard_index(directory)
+        metadata = _shard_index(directory)
     except Exception as err:  # missing, truncated, not DCP's: all mean "unusable"
         return f"{SHARDS_DIR}/.metadata does not load ({type(err).__name__})"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    shards = location(directory) / SHARDS_DIR
     for name, size in sorted(needed.items()):
-        if sizes[name] is None:
+        found = _size(shards / name)
+        if found is None:
             return f"shard {SHARDS_DIR}/{name} is missing"
-        if sizes[name] < size:
-            return f"shard {SHARDS_DIR}/{name} is truncated ({sizes[name]} of {size} bytes)"
+        if found < size:
+            return f"shard {SHARDS_DIR}/{name} is truncated ({found} of {size} bytes)"
     return None
 
 
@@ -186,7 +186,7 @@ def model_shapes(directory: str | RunPath, state: dict) -> dict[str, tuple[int, 
         return {name: tuple(value.shape) for name, value in state["model"].items() if isinstance(value, torch.Tensor)}
     return {
         key.removeprefix("model."): tuple(item.size)
-        for key, item in _shard_index(directory)[0].state_dict_metadata.items()
+        for key, item in _shard_index(directory).state_dict_metadata.items()
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
 
@@ -214,9 +214,8 @@ def consolidate(checkpoint_dir: str | RunPath, out: str | Path) -> Path:
     if out.exists():
         raise ConfigError(f"{out} already exists; consolidate writes a new file and overwrites nothing")
     out.parent.mkdir(parents=True, exist_ok=True)
-    source = location(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir
     with (
-        local_copy(source) as checkpoint,
+        local_copy(location(checkpoint_dir)) as checkpoint,
         tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch,
     ):
         state = load_file(checkpoint)
@@ -292,15 +291,14 @@ class ShardedSaver:
     def __init__(self, run_dir: str | RunPath, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
         """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`,
         or :func:`report_uploaded` for a run directory on object storage)."""
-        run_dir = location(run_dir) if isinstance(run_dir, str) else run_dir
+        run_dir = location(run_dir)
         self.rank = rank
-        if isinstance(run_dir, RemotePath):
-            self.write_dir = Path(tempfile.mkdtemp(prefix="raytrain-shards-"))  # this rank's own
-            weakref.finalize(self, shutil.rmtree, self.write_dir, True)
+        if isinstance(run_dir, Path):
+            self.write_dir, default_report = run_dir, report_written
         else:
-            self.write_dir = run_dir
-        upload = isinstance(run_dir, RemotePath)
-        self.report = report or functools.partial(report_uploaded if upload else report_written, rank=rank)
+            self.write_dir, default_report = Path(tempfile.mkdtemp(prefix="raytrain-shards-")), report_uploaded
+            weakref.finalize(self, shutil.rmtree, self.write_dir, True)  # this rank's own staging directory
+        self.report = report or functools.partial(default_report, rank=rank)
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
         self.pending: _Pending | None = None
         # told the bytes the shards hold while a flush waits: the watchdog sees a long write move, a stalled one not
@@ -357,8 +355,6 @@ def _bytes_under(directory: Path) -> int:
 def load_model_weights(checkpoint_dir: str | RunPath, model: torch.nn.Module) -> None:
     """A sharded checkpoint's model weights into a plain model, on one process (DCP assembles the shards)."""
     state = {"model": model.state_dict()}
-    with local_copy(
-        (location(checkpoint_dir) if isinstance(checkpoint_dir, str) else checkpoint_dir) / SHARDS_DIR
-    ) as shards:
+    with local_copy(location(checkpoint_dir) / SHARDS_DIR) as shards:
         dcp.load(state, checkpoint_id=str(shards), no_dist=True)
     model.load_state_dict(state["model"])
