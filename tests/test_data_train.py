@@ -81,7 +81,7 @@ def _train_shards(config) -> list:
 
 
 def _epoch_ids(shard, config, epoch: int) -> np.ndarray:
-    from raytrain_ddp.data.pipeline import epoch_batches
+    from raytrain_ddp.worker.device_feed import epoch_batches
 
     return np.concatenate([batch["id"].numpy() for batch in epoch_batches(shard, config, epoch, "cpu")])
 

@@ -141,7 +141,7 @@ def test_fsdp_validation_reads_its_batches_as_it_runs_them():
 def test_device_feed_ahead_keeps_order_and_the_last_batch():
     import torch
 
-    from raytrain_ddp.data.pipeline import DeviceFeed
+    from raytrain_ddp.worker.device_feed import DeviceFeed
 
     feed = DeviceFeed(None, "cpu")
     batches = [{"x": torch.full((2,), float(i)), "y": torch.tensor([i])} for i in range(3)]

@@ -7,7 +7,7 @@ Data task turns a unit's rows into ``{"id", "x", "y"}`` (decode, augment for
 train, normalise), outside the training step, and Ray Data prefetches, so a
 GPU worker does not wait on decode.
 
-Train, every epoch (:func:`epoch_batches`, which each rank calls with the
+Train, every epoch (:func:`host_batches`, which each rank calls with the
 epoch number), DistributedSampler-style over units:
 
 * the units are put in an order drawn from ``(seed, epoch)``; rank r takes
@@ -58,9 +58,7 @@ its rows (no window), in its own process, without Ray Data tasks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import itertools
 import logging
 import math
@@ -73,7 +71,6 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 import ray.data
-import torch
 from ray.data import ExecutionOptions, RandomSeedConfig
 from ray.train import DataConfig
 
@@ -141,7 +138,7 @@ def to_model_inputs(
     `augment_seed` (train only) turns on random crop and flip, drawn from the
     seed and the batch's first id, so an epoch's augmentation is reproducible.
     `normalise=False` leaves images as uint8 pixels (a quarter of the bytes
-    to move) for :func:`normalise_images` to finish where the batch is used.
+    to move) for the training worker's device feed to finish where the batch is used.
     """
     if spec.kind == "tokens":  # predict every next token: inputs are the sequence, targets it shifted by one
         tokens = rows["tokens"]
@@ -169,27 +166,6 @@ def to_model_inputs(
     labels = rows[spec.label_column]
     ids = rows["id"] if "id" in rows else np.full(len(labels), -1)
     return {"id": ids.astype(np.int64), "x": x, "y": labels.astype(np.int64)}
-
-
-def normalise_images(pixels: torch.Tensor, spec: DataSpec) -> torch.Tensor:
-    """uint8 NCHW pixels -> the model's float inputs: what to_model_inputs does, in torch (on any device)."""
-    shift, scale = _normalisation(tuple(spec.mean), tuple(spec.std), pixels.device)
-    return (pixels.to(torch.float32) / 255.0 - shift) / scale
-
-
-@functools.cache
-def _normalisation(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The constants, made once per device: a torch.tensor(..., device=cuda) is a copy the host waits for."""
-    return tuple(
-        torch.tensor(values, dtype=torch.float32, device=device).reshape(1, -1, 1, 1) for values in (mean, std)
-    )
-
-
-def padding_batch(spec: DataSpec, device) -> dict:
-    """One all-zero row shaped and typed as the model's input: what a rank that has run out of validation
-    batches runs, uncounted, while FSDP's forwards (collectives) keep every rank in lockstep."""
-    dtype = getattr(torch, spec.input_dtype or ("int64" if spec.kind == "tokens" else "float32"))
-    return {"x": torch.zeros((1, *spec.input_shape), dtype=dtype, device=device)}
 
 
 # ---------------------------------------------------------------- data specs
@@ -662,16 +638,8 @@ class TrainShard:
         return {**self.__dict__, "stream": None}
 
 
-def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device, earlier_parts=()) -> Iterator[dict]:
-    """This rank's torch batches of `epoch` (counted from 1) on `device`: a function of (seed, epoch, rank,
-    world size), and of the epoch's `earlier_parts` when it was begun at other world sizes."""
-    feed = DeviceFeed(shard.source.spec if isinstance(shard, TrainShard) else None, device)
-    for batch in host_batches(shard, config, epoch, earlier_parts):
-        yield feed.receive(feed.send(batch))
-
-
 def host_batches(shard: TrainShard, config: TrainConfig, epoch: int, earlier_parts=()) -> Iterable[dict]:
-    """This rank's batches of `epoch` as host tensors, images still uint8 (:class:`DeviceFeed` finishes them).
+    """This rank's batches of `epoch` as host tensors, images still uint8 (the worker's DeviceFeed finishes them).
 
     `earlier_parts`: the (world size, optimizer steps) of the epoch trained before a world-size change; the
     rank then reads its share of the rows they did not train (:func:`rest_of_epoch_pieces`)."""
@@ -700,64 +668,12 @@ def train_pieces(shard: TrainShard, config: TrainConfig, epoch: int, earlier_par
 
 
 def _to_torch(batches: Iterable[dict[str, np.ndarray]]) -> Iterator[dict]:
+    # torch is imported here, on the training workers only: Ray Train's DatasetManager and Ray Data's task
+    # workers unpickle this module too, and importing torch would cost each of them seconds of CPU at start
+    import torch
+
     for batch in batches:
         yield {name: torch.from_numpy(values) for name, values in batch.items()}
-
-
-class DeviceFeed:
-    """Host batches onto the training device with no host-device wait.
-
-    `send` starts a batch's copy: pinned (page-locked) host memory and
-    `non_blocking` copies, on a stream of their own, so the next batch travels
-    while the current one computes; uint8 images are normalised there too, with
-    constants made once per device. Ids stay on the host (only the loop's
-    bookkeeping reads them). `receive` makes the compute stream wait (on the
-    device, not the host) for that batch's copy. On CPU each of these is a
-    no-op, on the same code path.
-    """
-
-    def __init__(self, spec: DataSpec | None, device) -> None:
-        self.spec, self.device = spec, torch.device(device)
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
-    def send(self, batch: dict) -> tuple[dict, object]:
-        """(the batch with its tensors on the device, still arriving; what `receive` waits for)."""
-        stream = self._copy_stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            moved = {
-                name: self._copy(values) if name != "id" and isinstance(values, torch.Tensor) else values
-                for name, values in batch.items()
-            }
-            if moved["x"].dtype == torch.uint8:  # images, normalised where the batch is used
-                moved["x"] = normalise_images(moved["x"], self.spec)
-            return moved, stream.record_event() if stream is not None else None
-
-    def ahead(self, batches: Iterable[dict]) -> Iterator[tuple[dict, bool]]:
-        """(device batch, is_last) pairs, each batch's copy started (and the next batch fetched) before the one
-        before it is handed out to compute."""
-        sent = None
-        for batch in batches:
-            following = self.send(batch)
-            if sent is not None:
-                yield self.receive(sent), False
-            sent = following
-        if sent is not None:
-            yield self.receive(sent), True
-
-    def receive(self, sent: tuple[dict, object]) -> dict:
-        batch, copied = sent
-        if copied is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(copied)
-            for values in batch.values():
-                if isinstance(values, torch.Tensor) and values.device.type == "cuda":
-                    values.record_stream(compute)  # memory made on the copy stream, freed after compute used it
-        return batch
-
-    def _copy(self, values: torch.Tensor) -> torch.Tensor:
-        if self._copy_stream is not None:
-            values = values.pin_memory()  # from PyTorch's caching host allocator: reused, not re-pinned
-        return values.to(self.device, non_blocking=True)
 
 
 def _in_memory_batches(
@@ -836,7 +752,7 @@ class ShardingDataConfig(DataConfig):
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         # Ray Train calls this once per dataset name and hands rank r shards[r][name]:
-        # for train what epoch_batches needs, for val an iterator over the rank's own fixed rows.
+        # for train what host_batches needs, for val an iterator over the rank's own fixed rows.
         shards = [{} for _ in range(world_size)]
         for name, source in datasets.items():
             options = copy.deepcopy(self.options)  # a copy per dataset, as DataConfig.configure makes
@@ -860,8 +776,8 @@ class ShardingDataConfig(DataConfig):
 @dataclass
 class ValShard:
     """What Ray Train hands each rank for "val": an iterator over the rank's fixed rows (images as uint8, which
-    DeviceFeed finishes as it does training's) and every rank's row count, so that FSDP's lockstep knows the
-    most batches any rank holds without reading them first."""
+    the worker's DeviceFeed finishes as it does training's) and every rank's row count, so that FSDP's lockstep
+    knows the most batches any rank holds without reading them first."""
 
     iterator: ray.data.DataIterator
     rows_per_rank: tuple[int, ...]

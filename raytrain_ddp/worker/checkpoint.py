@@ -38,21 +38,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import pyarrow.fs as pafs
 import ray.train
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from ray.train import Checkpoint, CheckpointUploadMode
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.redact import redact_values
 from raytrain_ddp.storage import RemotePath, RunPath, local_copy, location
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 CHECKPOINT_FILE = "checkpoint.pt"
 SHARDS_DIR = "shards"  # a sharded checkpoint's DCP directory
@@ -146,10 +145,10 @@ def _shard_index(directory: str | RunPath) -> Metadata:
     reading it raises."""
     shards = location(directory) / SHARDS_DIR
     if isinstance(shards, Path):
-        return FileSystemReader(str(shards)).read_metadata()
+        return _dcp().FileSystemReader(str(shards)).read_metadata()
     with tempfile.TemporaryDirectory(prefix="raytrain-index-") as scratch:
         (Path(scratch) / ".metadata").write_bytes((shards / ".metadata").read_bytes())
-        return FileSystemReader(scratch).read_metadata()
+        return _dcp().FileSystemReader(scratch).read_metadata()
 
 
 def _size(path: RunPath) -> int | None:
@@ -184,10 +183,11 @@ def model_shapes(directory: str | RunPath, state: dict) -> dict[str, tuple[int, 
     sharded one's from DCP's index (nothing loaded)."""
     if not is_sharded(directory):
         return {name: tuple(value.shape) for name, value in state["model"].items() if isinstance(value, torch.Tensor)}
+    tensor_entry = _dcp().metadata.TensorStorageMetadata
     return {
         key.removeprefix("model."): tuple(item.size)
         for key, item in _shard_index(directory).state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+        if key.startswith("model.") and isinstance(item, tensor_entry)
     }
 
 
@@ -221,7 +221,7 @@ def consolidate(checkpoint_dir: str | RunPath, out: str | Path) -> Path:
         state = load_file(checkpoint)
         state.pop("format", None)
         shards = Path(scratch) / "shards.pt"
-        dcp_to_torch_save(str(checkpoint / SHARDS_DIR), str(shards))
+        _dcp().format_utils.dcp_to_torch_save(str(checkpoint / SHARDS_DIR), str(shards))
         tensors = torch.load(shards, map_location="cpu", weights_only=True)
         shards.unlink()
         written = Path(scratch) / "out"
@@ -314,7 +314,7 @@ class ShardedSaver:
         directory = self.write_dir / names[0]
         if self.rank == 0:
             _save_atomic({**plain, "format": "sharded"}, directory / TRAINING_STATE_FILE)
-        future = dcp.async_save(
+        future = _dcp().async_save(
             {"model": model_state, "optimizer": optimizer_state},
             checkpoint_id=str(directory / SHARDS_DIR),
             process_group=self.group,
@@ -356,5 +356,15 @@ def load_model_weights(checkpoint_dir: str | RunPath, model: torch.nn.Module) ->
     """A sharded checkpoint's model weights into a plain model, on one process (DCP assembles the shards)."""
     state = {"model": model.state_dict()}
     with local_copy(location(checkpoint_dir) / SHARDS_DIR) as shards:
-        dcp.load(state, checkpoint_id=str(shards), no_dist=True)
+        _dcp().load(state, checkpoint_id=str(shards), no_dist=True)
     model.load_state_dict(state["model"])
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use (sharded checkpoints only): about a second of CPU
+    that Ray Train's controller (it unpickles the worker loop) and every worker of a DDP run would otherwise
+    pay before the first step."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.format_utils  # noqa: F401  (dcp.format_utils, for consolidate)
+
+    return dcp

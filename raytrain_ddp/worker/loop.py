@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, DeviceFeed, TrainShard, host_batches, padding_batch, val_batches
+from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
 from raytrain_ddp.storage import local_path
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
+from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
 from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
 from raytrain_ddp.worker.hooks import WorkerHooks, worker_hooks
 from raytrain_ddp.worker.metrics import (

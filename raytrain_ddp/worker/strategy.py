@@ -26,11 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
@@ -109,6 +106,8 @@ def distribute(model: nn.Module, config: TrainConfig, device: torch.device) -> t
     """Wrap the model (built on the host) for data-parallel training; count DDP's gradient all-reduces."""
     counter = GradSyncCounter()
     if config.strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # see _state_dict_api: FSDP only
+
         # bf16 all-gathers and compute, fp32 gradient reduction (bf16 sums lose precision over many ranks).
         policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -180,19 +179,21 @@ def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Unsharded model and optimizer state on rank zero's CPU (empty elsewhere). Every rank must call it."""
-    return get_state_dict(unwrap(model), optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    get_state_dict, _, options = _state_dict_api()
+    return get_state_dict(unwrap(model), optimizer, options=options(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
 ) -> None:
     """Load a full state dict on every rank; FSDP keeps each rank's shard of it."""
+    _, set_state_dict, options = _state_dict_api()
     set_state_dict(
         unwrap(model),
         optimizer,
         model_state_dict=model_state,
         optim_state_dict=optimizer_state,
-        options=StateDictOptions(full_state_dict=True),
+        options=options(full_state_dict=True),
     )
 
 
@@ -200,6 +201,7 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     """This rank's model and optimizer state as DCP saves and loads it (FSDP: DTensor shards), keyed as
     `full_state`'s. Every rank must call it; the optimizer's state exists after the first step (before
     it, get_state_dict creates it, zeros, for a load to fill in)."""
+    get_state_dict, _, _ = _state_dict_api()
     return get_state_dict(unwrap(model), optimizer)
 
 
@@ -207,7 +209,19 @@ def load_sharded_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, shards: str, group: dist.ProcessGroup | None
 ) -> None:
     """Load a DCP checkpoint written at any world size: every rank reads the pieces of its own shards."""
+    import torch.distributed.checkpoint as dcp
+
+    _, set_state_dict, _ = _state_dict_api()
     model_state, optimizer_state = sharded_state(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=shards, process_group=group)
     set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def _state_dict_api():
+    """torch's distributed state-dict functions, imported on first use: torch.distributed.checkpoint and fsdp
+    take about a second of CPU to import, which Ray Train's controller (it unpickles the worker loop) and every
+    worker would otherwise pay before the first step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    return get_state_dict, set_state_dict, StateDictOptions
