@@ -159,6 +159,26 @@ def test_the_run_lock_is_an_object_in_the_bucket(s3_server, tmp_path, monkeypatc
     assert _scheme_folders(tmp_path) == []
 
 
+def test_steps_jsonl_in_a_bucket_is_uploaded_per_flush_not_per_record(s3_server, monkeypatch):
+    """Object storage cannot append: steps.jsonl is rewritten whole, so once per record would upload a long
+    run's file thousands of times; it goes up at most every REMOTE_WRITE_EVERY_S and at each flush."""
+    from raytrain_ddp.driver.run_files import StepsFile
+    from raytrain_ddp.storage import location
+
+    steps = StepsFile(location(_storage(s3_server, "steps")) / "run")
+    where = f"{BUCKET}/steps/run/steps.jsonl"
+    for step in range(1, 201):
+        steps.add({"step": step, "loss": 1.0 / step})
+    assert _fs(s3_server).get_file_info(where).type == pafs.FileType.NotFound  # 200 records, no upload yet
+    steps.flush()
+    assert [json.loads(line)["step"] for line in _read(_fs(s3_server), where).splitlines()] == list(range(1, 201))
+    monkeypatch.setattr(StepsFile, "REMOTE_WRITE_EVERY_S", 0.0)  # past the interval: the next record goes up
+    steps.add({"step": 150, "loss": 0.5})  # trained again after a restart: it and the later ones replaced
+    assert [json.loads(line)["step"] for line in _read(_fs(s3_server), where).splitlines()] == list(range(1, 151))
+    again = StepsFile(location(_storage(s3_server, "steps")) / "run")  # a resumed run's driver reads it back
+    assert len(again.records) == 150 and again.records[-1]["loss"] == 0.5
+
+
 def test_the_slurm_launcher_reads_a_summary_on_object_storage(s3_server, tmp_path):
     """After the trainer exits, the launcher reads summary.json (lost or stuck nodes: requeue without them) where
     the run wrote it, also in a bucket, options such as endpoint_override included."""

@@ -420,6 +420,7 @@ def _train(
             stop_signal.training_over = True
             stop.set()
             watcher.join()
+            recorder.flush_files()
             stop_reason = ray.get(monitor.stop_requested.remote())
             ray.kill(monitor)
     if stop_signal.reason:

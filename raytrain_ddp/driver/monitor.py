@@ -27,6 +27,7 @@ from raytrain_ddp.driver.console import Console
 from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, validation_results
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
+from raytrain_ddp.errors import one_line
 from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
@@ -204,9 +205,20 @@ class RunRecorder:
             log.warning("Epoch %d: rank %d is a straggler: %s", record["epoch"], straggler["rank"], straggler["why"])
         self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
         self.metrics_file.write(self.epochs)
+        self.flush_files()
         for sink in self.sinks:
             sink.write_epoch(record)
         self.console.show_row(record, progress_shown=bool(self.liveness.positions))
+
+    def flush_files(self) -> None:
+        """What the run directory's files do not hold yet (steps.jsonl on object storage) written there; a
+        storage error is a warning (the next flush tries again), never the end of the run."""
+        if self.steps_file is None:
+            return
+        try:
+            self.steps_file.flush()
+        except OSError as err:
+            log.warning("%s not written yet: %s", self.steps_file.path, one_line(err))
 
     def _record_step(self, by_rank: dict[int, dict]) -> None:
         record = aggregate_step(by_rank)

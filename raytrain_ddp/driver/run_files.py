@@ -4,6 +4,7 @@ recorded optimizer step), a line each."""
 from __future__ import annotations
 
 import json
+import time
 
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.storage import RemotePath, RunPath
@@ -28,12 +29,20 @@ class MetricsFile:
 
 
 class StepsFile:
-    """RUN_DIR/steps.jsonl: appended to as each recorded step is in from every rank (a resumed run's kept)."""
+    """RUN_DIR/steps.jsonl: appended to as each recorded step is in from every rank (a resumed run's kept).
+
+    Object storage cannot append: there the whole file is rewritten, at most every REMOTE_WRITE_EVERY_S and at
+    each :meth:`flush` (each epoch's end and the run's), not once per record (a long run's file would be
+    uploaded whole thousands of times)."""
+
+    REMOTE_WRITE_EVERY_S = 30.0
 
     def __init__(self, run_dir: RunPath) -> None:
         self.path = run_dir / "steps.jsonl"
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         self.records = [json.loads(line) for line in lines if line.strip()]
+        self._unwritten = False  # records the file does not hold yet (object storage only)
+        self._written_at = time.monotonic()
 
     def add(self, record: dict) -> None:
         """A step at or before the last one recorded is trained again (after a restart or a resume from an
@@ -42,8 +51,21 @@ class StepsFile:
         if replaced:
             self.records = [r for r in self.records if r["step"] < record["step"]]
         self.records.append(record)
-        if replaced or isinstance(self.path, RemotePath):  # object storage cannot append: written whole
-            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
-            return
-        with self.path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
+        if isinstance(self.path, RemotePath):
+            self._unwritten = True
+            if time.monotonic() - self._written_at >= self.REMOTE_WRITE_EVERY_S:
+                self.flush()
+        elif replaced:
+            self._write_whole()
+        else:
+            with self.path.open("a") as file:
+                file.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        """Write what object storage has not got yet (a local file is always up to date)."""
+        if self._unwritten:
+            self._write_whole()
+
+    def _write_whole(self) -> None:
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self._unwritten, self._written_at = False, time.monotonic()
