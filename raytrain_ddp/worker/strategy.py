@@ -179,21 +179,23 @@ def gradient_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Unsharded model and optimizer state on rank zero's CPU (empty elsewhere). Every rank must call it."""
-    get_state_dict, _, options = _state_dict_api()
-    return get_state_dict(unwrap(model), optimizer, options=options(full_state_dict=True, cpu_offload=True))
+    api = _state_dict_api()
+    return api.get_state_dict(
+        unwrap(model), optimizer, options=api.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
 ) -> None:
     """Load a full state dict on every rank; FSDP keeps each rank's shard of it."""
-    _, set_state_dict, options = _state_dict_api()
-    set_state_dict(
+    api = _state_dict_api()
+    api.set_state_dict(
         unwrap(model),
         optimizer,
         model_state_dict=model_state,
         optim_state_dict=optimizer_state,
-        options=options(full_state_dict=True),
+        options=api.StateDictOptions(full_state_dict=True),
     )
 
 
@@ -201,8 +203,7 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     """This rank's model and optimizer state as DCP saves and loads it (FSDP: DTensor shards), keyed as
     `full_state`'s. Every rank must call it; the optimizer's state exists after the first step (before
     it, get_state_dict creates it, zeros, for a load to fill in)."""
-    get_state_dict, _, _ = _state_dict_api()
-    return get_state_dict(unwrap(model), optimizer)
+    return _state_dict_api().get_state_dict(unwrap(model), optimizer)
 
 
 def load_sharded_state(
@@ -211,17 +212,18 @@ def load_sharded_state(
     """Load a DCP checkpoint written at any world size: every rank reads the pieces of its own shards."""
     import torch.distributed.checkpoint as dcp
 
-    _, set_state_dict, _ = _state_dict_api()
     model_state, optimizer_state = sharded_state(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=shards, process_group=group)
-    set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _state_dict_api().set_state_dict(
+        unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def _state_dict_api():
-    """torch's distributed state-dict functions, imported on first use: torch.distributed.checkpoint and fsdp
-    take about a second of CPU to import, which Ray Train's controller (it unpickles the worker loop) and every
-    worker would otherwise pay before the first step."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    """torch.distributed.checkpoint.state_dict, imported on first use: it and fsdp take about a second of CPU
+    to import, which Ray Train's controller (it unpickles the worker loop) and every worker would otherwise pay
+    before the first step."""
+    import torch.distributed.checkpoint.state_dict as api
 
-    return get_state_dict, set_state_dict, StateDictOptions
+    return api
