@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m raytrain_ddp.run --num-workers 2
 
+# Two lanes (tests/conftest.py): the Slurm testbed's jobs beside the tests on the local Ray
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 SHELL_SCRIPTS := $(wildcard cluster/*.sh cluster/testbed/*.sh examples/*.sh)
 

@@ -36,6 +36,7 @@ TESTED_RAY = ("2.60", "2.61")  # from, up to (excluded): the `ray[...]>=2.60,<2.
 
 # Environment variables Ray Train's controller and workers read (ray.train.v2._internal.constants)
 WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # how often the controller polls its workers
 PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"  # the driver feeds the Train state actor the dashboard reads
 

@@ -24,6 +24,33 @@ def _export_s3_credentials() -> None:
         os.environ.setdefault(key, value)
 
 
+# `make test` runs the suite in two lanes (pytest-xdist's --dist loadgroup; one process each, tests in file order):
+# the Slurm testbed's jobs, which mostly wait on the testbed's nodes, with the tests that start no Ray of this
+# process, beside the tests on this process's local Ray, which still run one at a time.
+TESTBED_LANE_FILES = {
+    "test_bench.py",  # its own Ray per side and round, for its figures only
+    "test_checkpoint_sharded.py",
+    "test_cli_errors.py",
+    "test_cluster_health.py",
+    "test_cluster_paths.py",
+    "test_data_prepare.py",
+    "test_data_validate.py",
+    "test_docs.py",
+    "test_gpu_check.py",
+    "test_recorder.py",
+    "test_run_directory.py",
+    "test_slurm_plan.py",
+    "test_start_cost.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        testbed_lane = item.path.parent.name == "slurm" or item.path.name in TESTBED_LANE_FILES
+        item.add_marker(pytest.mark.xdist_group("testbed" if testbed_lane else "local-ray"))
+
+
 @pytest.fixture(scope="session")
 def ray_address() -> str:
     """A real local Ray (3 logical CPUs: 2 workers + data loading), shared by the session.

@@ -36,12 +36,14 @@ def run_python_file(
 
 
 def processes_with(needle: bytes) -> list[int]:
-    """Pids of the processes whose command line holds `needle`, found in the process table as an operator would."""
+    """Pids of the processes whose command line holds `needle`, found in the process table as an operator would;
+    not those of the Slurm testbed's jobs (SLURM_JOB_ID in their environment), whose tests run in a lane beside."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if needle in (entry / "cmdline").read_bytes():
+                in_a_slurm_job = b"SLURM_JOB_ID=" in (entry / "environ").read_bytes()
+                if needle in (entry / "cmdline").read_bytes() and not in_a_slurm_job:
                     found.append(int(entry.name))
             except OSError:
                 continue

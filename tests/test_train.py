@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from support import run_cli, run_python_file
+
+from raytrain_ddp import _ray_compat
 
 pytestmark = pytest.mark.ray
 
@@ -185,6 +188,8 @@ def test_python_api_elastic_start_on_uneven_data(ray_address, tmp_path):
         )
     )
     assert result.ok, result.summary["error"]
+    # Ray Train's controller polled its workers every 0.5 s, not Ray's 2 s (each state change waits for a poll)
+    assert os.environ[_ray_compat.HEALTH_CHECK_INTERVAL_ENV] == "0.5"
     log = (result.run_dir / "driver.log").read_text()
     assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in log
     assert "Global batch = 50 per worker x 2 workers = 100" in log

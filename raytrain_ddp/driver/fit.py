@@ -56,6 +56,10 @@ for _logger in (log, progress_log):  # credentials inside URIs (--mlflow-uri, --
 # again. Right after a node dies Ray still counts it, so the first restart asks for too many workers:
 # this wait bounds how long an elastic run (--min-workers) takes to notice and start with fewer.
 WORKER_GROUP_PLACEMENT_WAIT_S = 30
+# How often Ray Train's controller polls the workers (Ray's default: 2 s). Each change of the run's state (the
+# workers started, finished, failed) waits for the next poll; a poll is one small call per worker, and one that
+# takes longer is not a failure (Ray's health-check timeout is 10 minutes). A user's own setting is kept.
+CONTROLLER_POLL_S = 0.5
 DRIVER_LOG = "driver.log"
 QUIET_ENV = {
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
@@ -209,6 +213,7 @@ def _make_trainer(
     config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int
 ) -> TorchTrainer:
     os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
+    os.environ.setdefault(_ray_compat.HEALTH_CHECK_INTERVAL_ENV, str(CONTROLLER_POLL_S))
     # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
     # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
     placement_tries = math.ceil(config.capacity_wait_s / WORKER_GROUP_PLACEMENT_WAIT_S) + 1
