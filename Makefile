@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 
 # Two lanes (tests/conftest.py): the Slurm testbed's jobs beside the tests on the local Ray
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2
 
 SHELL_SCRIPTS := $(wildcard cluster/*.sh cluster/testbed/*.sh examples/*.sh)
 

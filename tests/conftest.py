@@ -24,7 +24,7 @@ def _export_s3_credentials() -> None:
         os.environ.setdefault(key, value)
 
 
-# `make test` runs the suite in two lanes (pytest-xdist's --dist loadgroup; one process each, tests in file order):
+# `make test` runs the suite in two lanes (pytest-xdist, `-n 2`; one process each, tests in file order):
 # the Slurm testbed's jobs, which mostly wait on the testbed's nodes, with the tests that start no Ray of this
 # process, beside the tests on this process's local Ray, which still run one at a time.
 TESTBED_LANE_FILES = {
@@ -44,11 +44,24 @@ TESTBED_LANE_FILES = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        testbed_lane = item.path.parent.name == "slurm" or item.path.name in TESTBED_LANE_FILES
-        item.add_marker(pytest.mark.xdist_group("testbed" if testbed_lane else "local-ray"))
+def lane_of(nodeid: str) -> str:
+    """The lane of a test: "testbed" or "local-ray" (its file decides)."""
+    path = nodeid.split("::", 1)[0]
+    directory, _, name = path.rpartition("/")
+    return "testbed" if directory.endswith("slurm") or name in TESTBED_LANE_FILES else "local-ray"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    # A scheduler of our own, not xdist_group marks: `--dist loadgroup` reads them into the node id, which
+    # pytest 9.2's node ids no longer take, so every test was its own group (two Slurm tests at once broke
+    # the testbed). Each lane is one scope: one worker runs it whole, in file order.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid)
+
+    return LaneScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

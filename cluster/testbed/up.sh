@@ -19,6 +19,9 @@ N=${1:-2}
 for b in slurmctld slurmd munged scontrol sinfo nsenter unshare ip; do
     command -v "$b" >/dev/null || die "$b not found; run cluster/testbed/install.sh"
 done
+# One up.sh at a time: a second one would find the first's half-made testbed "broken" and tear it down.
+exec {up_lock}>/run/raytrain-testbed-up.lock
+flock "$up_lock"
 
 # ---- already up? -----------------------------------------------------------
 cluster_healthy() {
