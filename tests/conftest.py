@@ -24,37 +24,11 @@ def _export_s3_credentials() -> None:
         os.environ.setdefault(key, value)
 
 
-# `make test` runs the suite in two lanes (pytest-xdist, `-n 2`; one process each, tests in file order):
-# the Slurm testbed's jobs, which mostly wait on the testbed's nodes, with the tests that start no Ray of this
-# process, beside the tests on this process's local Ray, which still run one at a time.
-TESTBED_LANE_FILES = {
-    "test_bench.py",  # its own Ray per side and round, for its figures only
-    "test_checkpoint_sharded.py",
-    "test_cli_errors.py",
-    "test_cluster_health.py",
-    "test_cluster_paths.py",
-    "test_data_prepare.py",
-    "test_data_validate.py",
-    "test_docs.py",
-    "test_gpu_check.py",
-    "test_recorder.py",
-    "test_run_directory.py",
-    "test_slurm_plan.py",
-    "test_start_cost.py",
-}
-
-
-def lane_of(nodeid: str) -> str:
-    """The lane of a test: "testbed" or "local-ray" (its file decides)."""
-    path = nodeid.split("::", 1)[0]
-    directory, _, name = path.rpartition("/")
-    return "testbed" if directory.endswith("slurm") or name in TESTBED_LANE_FILES else "local-ray"
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     # A scheduler of our own, not xdist_group marks: `--dist loadgroup` reads them into the node id, which
     # pytest 9.2's node ids no longer take, so every test was its own group (two Slurm tests at once broke
     # the testbed). Each lane is one scope: one worker runs it whole, in file order.
+    from support import lane_of
     from xdist.scheduler import LoadScopeScheduling
 
     class LaneScheduling(LoadScopeScheduling):

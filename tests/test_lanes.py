@@ -1,10 +1,10 @@
-"""`make test`'s two lanes (tests/conftest.py): which tests share a process with the Slurm testbed's jobs."""
+"""`make test`'s two lanes (tests/support.py): which tests share a process with the Slurm testbed's jobs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import TESTBED_LANE_FILES, lane_of
+from support import TESTBED_LANE_FILES, lane_of
 
 TESTS = Path(__file__).parent
 
