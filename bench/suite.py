@@ -88,8 +88,8 @@ QUICK = Sizes(  # the smallest that still has a steady-state window (micro-batch
 )
 # every part runs once, on the least data that still has a window: a check, not a measurement
 SMOKE = dataclasses.replace(
-    QUICK, train_size=512, val_size=32, ingest_rows=4096, ingest_epochs=8, parquet_pair=False
-)  # 8 passes: a window that two consumers started apart on a loaded machine still share
+    QUICK, train_size=512, val_size=32, ingest_rows=4096, ingest_epochs=16, parquet_pair=False
+)  # 16 passes: a window two consumers started apart still share beside `make test`'s other lane (8 did not)
 FULL = Sizes(
     train_size=4096, val_size=256, epochs=3, batch_size=64, repeats=3, ingest_rows=32768, ingest_epochs=8, loader_cpus=2
 )
