@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m raytrain_ddp.run --num-workers 2
 
-# Two lanes (tests/conftest.py): the Slurm testbed's jobs beside the tests on the local Ray
+# Two lanes (tests/support.py's lane_of): the Slurm testbed's jobs beside the tests on the local Ray
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2
 

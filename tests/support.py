@@ -10,7 +10,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API
 
@@ -180,6 +180,5 @@ TESTBED_LANE_FILES = {
 
 def lane_of(nodeid: str) -> str:
     """The lane of a test: "testbed" or "local-ray" (its file decides)."""
-    path = nodeid.split("::", 1)[0]
-    directory, _, name = path.rpartition("/")
-    return "testbed" if directory.endswith("slurm") or name in TESTBED_LANE_FILES else "local-ray"
+    path = PurePosixPath(nodeid.split("::", 1)[0])
+    return "testbed" if path.parent.name == "slurm" or path.name in TESTBED_LANE_FILES else "local-ray"
