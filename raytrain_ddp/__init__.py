@@ -5,9 +5,9 @@ result = fit(TrainConfig(num_workers=2, epochs=3))
 """
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, RunTakenOver
 
-__all__ = ["TrainConfig", "ConfigError", "fit"]
+__all__ = ["TrainConfig", "ConfigError", "RunTakenOver", "fit"]
 
 
 def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None):

@@ -18,6 +18,11 @@ class ConfigError(ValueError):
     """
 
 
+class RunTakenOver(Exception):
+    """Another driver took this run directory's lock over (this one hung past the stale limit): this driver
+    stopped its run and writes nothing more there. The CLI prints the message as one line and exits with 1."""
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message squeezed onto one line (pyarrow messages span several), credentials masked."""
     return redact(" ".join(str(exc).split())) or type(exc).__name__

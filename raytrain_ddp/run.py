@@ -13,7 +13,14 @@ from dataclasses import MISSING, fields
 
 from raytrain_ddp.config import TrainConfig, _field_type, load_toml
 from raytrain_ddp.driver.signals import hold_early_stop_signals
-from raytrain_ddp.errors import EXIT_BAD_INPUT, ConfigError, OneLineErrorParser, bad_input  # noqa: F401 (exit codes)
+from raytrain_ddp.errors import (  # noqa: F401 (EXIT_BAD_INPUT: the exit codes, together)
+    EXIT_BAD_INPUT,
+    ConfigError,
+    OneLineErrorParser,
+    RunTakenOver,
+    bad_input,
+    one_line,
+)
 from raytrain_ddp.redact import RedactFilter
 
 PROG = "python -m raytrain_ddp.run"
@@ -27,7 +34,8 @@ examples:
 
 exit codes:
   0    finished
-  1    training failed (the error per rank is in the log and RUN_DIR/summary.json)
+  1    training failed (the error per rank is in the log and RUN_DIR/summary.json), or another
+       driver took the run directory over (this one hung past the lock's stale limit)
   2    bad input or a request the cluster cannot hold (nothing was started)
   75   stopped early on SIGUSR1/SIGTERM after a checkpoint (EX_TEMPFAIL):
        run the same command again to resume
@@ -96,6 +104,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         result = fit(config)
     except ConfigError as err:
         return bad_input(err)
+    except RunTakenOver as err:  # another driver went on with this run directory; this run stopped
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt as interrupt:  # fit()'s says how far the run got; before it, there is nothing to say
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")  # the line on its own, not after a progress line

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path, PurePosixPath
@@ -48,6 +49,14 @@ def processes_with(needle: bytes) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def processes_left(needle: bytes, timeout: float = 30) -> list[int]:
+    """Processes whose command line holds `needle` still there after `timeout` (none: [])."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_with(needle)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 def dashboard_get(url: str, token: str, timeout: float = 30) -> tuple[int, str]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO, processes_with
+from support import REPO, processes_left
 
 pytestmark = pytest.mark.ray
 
@@ -29,14 +29,6 @@ def _wait_for_epoch_1(run_dir: Path, timeout: float = 300, alive=lambda: True) -
         assert time.monotonic() < deadline, f"no epoch recorded in {run_dir} within {timeout:.0f}s"
         assert alive(), "the run ended before its first epoch"
         time.sleep(0.2)
-
-
-def _gone(needle: bytes, timeout: float = 30) -> list[int]:
-    """Processes whose command line holds `needle` still there after `timeout` (none: [])."""
-    deadline = time.monotonic() + timeout
-    while (left := processes_with(needle)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
 
 
 def _in_a_terminal() -> None:
@@ -89,7 +81,7 @@ def test_ctrl_c_in_a_terminal_exits_130_with_one_line_and_a_summary(tmp_path):
     assert summary["status"] == "interrupted" and summary["epochs_completed"] >= 1, summary
     # the Ray the command started, and its workers, went with it
     session = os.readlink(run_dir / "ray-logs").removesuffix("/logs").encode()
-    assert not _gone(session), "processes of the command's Ray left running"
+    assert not processes_left(session), "processes of the command's Ray left running"
 
 
 def test_interrupting_a_jupyter_kernel_ends_the_run_and_later_interrupts_still_work(tmp_path):
@@ -116,7 +108,7 @@ def test_interrupting_a_jupyter_kernel_ends_the_run_and_later_interrupts_still_w
             assert time.monotonic() - interrupted_at < 60, f"{name}: the cell did not end promptly"
             summary = json.loads((tmp_path / name / "summary.json").read_text())
             assert summary["status"] == "interrupted", summary
-            assert not _gone(b"RayTrainWorker"), f"{name}: workers of the run left running"
+            assert not processes_left(b"RayTrainWorker"), f"{name}: workers of the run left running"
         # Ctrl-C still works in a cell that is no run: no handler of the runs' is left behind to swallow it
         message_id = client.execute("import time\ntime.sleep(300)", stop_on_error=False)
         time.sleep(3)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO, processes_with
+from support import REPO, processes_left, processes_with
 
 pytestmark = pytest.mark.ray
 
@@ -250,3 +250,38 @@ def test_usr1_during_start_up_is_kept_until_the_workers_can_stop(ray_address, tm
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["epochs_completed"] == 0, summary
     assert Path(summary["resume_checkpoint"]).exists(), summary
+
+
+def test_a_driver_whose_lock_is_taken_over_stops_its_run_and_writes_nothing_more(ray_address, tmp_path, monkeypatch):
+    """A driver hung past the lock's stale limit (a frozen login node) while a driver on another host took the run
+    directory over: at its next heartbeat it ends its run and raises, writing no summary, metrics or report over
+    the other driver's, and leaves the other driver's lock alone."""
+    from raytrain_ddp import RunTakenOver, fit
+    from raytrain_ddp.driver import run_lock
+
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.2)  # the cadence only: the lock file and the run are real
+    run_dir = tmp_path / "taken"
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = fit(_config(tmp_path, "taken", epochs=50, train_size=512, val_size=64))
+        except RunTakenOver as err:
+            outcome["error"] = err
+
+    run = threading.Thread(target=train)
+    run.start()
+    _wait_for_epoch(run_dir, 1)
+    # what the other driver's take-over leaves: its own lock, written in place of this driver's
+    theirs = {"host": "login2", "pid": 4242, "started": "2026-12-04T00:00:00Z", "slurm_job": None, "token": "f" * 16}
+    (run_dir / "driver.lock").write_text(json.dumps(theirs) + "\n")
+    metrics_then = (run_dir / "metrics.jsonl").read_text()
+    run.join(timeout=120)
+    assert not run.is_alive(), "the run went on after its lock was taken over"
+    assert "result" not in outcome, outcome["result"].summary
+    assert "taken over by process 4242 on host login2" in str(outcome["error"]), outcome
+    assert json.loads((run_dir / "driver.lock").read_text()) == theirs  # the other driver's lock is left alone
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "report").exists()
+    # the epoch under way when the lock went may have been recorded before the next heartbeat; no more than that
+    assert len(_epochs(run_dir)) <= len(metrics_then.splitlines()) + 1
+    assert not processes_left(b"RayTrainWorker"), "the run's workers outlived it"

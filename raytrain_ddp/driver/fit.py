@@ -34,7 +34,7 @@ from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.wandb_log import WandbLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
-from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.errors import ConfigError, RunTakenOver, one_line
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
@@ -297,11 +297,13 @@ def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> Fi
     model, data and loss, as --model/--dataset/--loss import paths do on the CLI.
     """
     config.validate()
-    with run_lock.hold(config.run_dir), stop_on_signals() as stop_signal:
-        return _fit(config, model_fn, dataset_fn, loss_fn, stop_signal)
+    with run_lock.hold(config.run_dir) as lock, stop_on_signals() as stop_signal:
+        return _fit(config, model_fn, dataset_fn, loss_fn, stop_signal, lock)
 
 
-def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSignal) -> FitResult:
+def _fit(
+    config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSignal, lock: run_lock.RunLock
+) -> FitResult:
     started = time.time()
     plugins = resolve_plugins(config, model_fn, dataset_fn, loss_fn)
     dataset_fn = plugins.pop("dataset_fn")
@@ -326,16 +328,18 @@ def _fit(config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSi
             preflight.check_gpus_usable(nodes)
         except preflight.UnusableGPUNodes as err:
             return _failed_before_start(config, str(err), gpu_failed_nodes=err.hosts)
+    lock.check_held()  # a start that took longer than the lock's stale limit: another driver went on
     run_dir = run_directory.prepare(config)
     log_file, log_spool = _log_to_console_and_file(run_dir)
     try:
         _choose_start(config, run_dir, start_state, shapes)
-        return _train(config, plan, run_dir, dashboard_url, nodes, start_workers, started, plugins, stop_signal)
+        return _train(config, plan, run_dir, dashboard_url, nodes, start_workers, started, plugins, stop_signal, lock)
     finally:
         log.removeHandler(log_file)
         progress_log.removeHandler(log_file)
         log_file.close()
-        log_spool.upload()
+        if not lock.taken_over.is_set():  # the run directory's driver.log is the other driver's now
+            log_spool.upload()
 
 
 def _failed_before_start(config: TrainConfig, error: str, gpu_failed_nodes: list[str]) -> FitResult:
@@ -385,6 +389,7 @@ def _train(
     started: float,
     plugins: dict,
     stop_signal: StopSignal,
+    lock: run_lock.RunLock,
 ) -> FitResult:
     _describe_start(config, dashboard_url, nodes, start_workers, plan.spec)
 
@@ -403,7 +408,8 @@ def _train(
             ", ".join(map(str, sorted(recorder.epochs))),
         )
     stop = threading.Event()
-    watcher = threading.Thread(target=watch, args=(monitor, recorder, stop, config, NodeWatch(nodes)), daemon=True)
+    watch_args = (monitor, recorder, stop, config, NodeWatch(nodes), lock)
+    watcher = threading.Thread(target=watch, args=watch_args, daemon=True)
     watcher.start()
     error, result, interrupted = None, None, False
     stop_signal.forward_to(monitor)
@@ -425,9 +431,14 @@ def _train(
             stop_signal.training_over = True
             stop.set()
             watcher.join()
-            recorder.flush_files()
+            if not lock.taken_over.is_set():
+                recorder.flush_files()
             stop_reason = ray.get(monitor.stop_requested.remote())
             ray.kill(monitor)
+    if lock.taken_over.is_set():  # no summary, report or tracker outcome over the other driver's
+        for sink in sinks:
+            sink.close(None)
+        raise RunTakenOver(lock.takeover_message())
     if stop_signal.reason:
         log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
 

@@ -16,6 +16,10 @@ On object storage (a RemotePath, raytrain_ddp.storage) there is no exclusive
 create through pyarrow.fs: the lock object is looked for, then written, so two
 drivers started within the same moment may both pass (logged as a warning).
 Its heartbeat is the time written inside it (`beat`), rewritten every HEARTBEAT_S.
+
+A driver that finds on a heartbeat that its lock was taken over (it hung past
+STALE_AFTER_S, and a driver on another host went on) stops beating and sets
+`taken_over`: the driver stops its run and writes nothing more there.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, RunTakenOver
 from raytrain_ddp.storage import RemotePath, RunPath
 
 log = logging.getLogger("raytrain_ddp")
@@ -119,6 +123,8 @@ class RunLock:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.holder: dict = {}  # what a remote lock holds, rewritten by each beat
+        self.taken_over = threading.Event()  # another driver holds the run directory now: stop, write nothing
+        self.taken_by = ""
 
     def acquire(self) -> None:
         """Take the lock, or raise ConfigError naming who holds it."""
@@ -201,18 +207,26 @@ class RunLock:
             with contextlib.suppress(OSError):  # a filesystem hiccup: the next beat tries again
                 holder = _read(self.path)
                 if holder and holder.get("token") != self.token:  # taken over (this driver hung past STALE_AFTER_S)
-                    log.error(
-                        "%s was taken over by %s: this driver no longer holds run directory %s; stop this run",
-                        self.path,
-                        describe(holder),
-                        self.run_dir,
-                    )
+                    self.taken_by = describe(holder)
+                    self.taken_over.set()
+                    log.error("%s", self.takeover_message())
                     return  # a beat would keep the other driver's lock looking like ours, or overwrite it
                 if isinstance(self.path, RemotePath):
                     self.holder["beat"] = time.time()
                     self.path.write_bytes(json.dumps(self.holder).encode() + b"\n")
                 else:
                     os.utime(self.path)
+
+    def takeover_message(self) -> str:
+        return (
+            f"{self.path} was taken over by {self.taken_by}: this driver no longer holds run directory "
+            f"{self.run_dir}, so it stops its run and writes nothing more there"
+        )
+
+    def check_held(self) -> None:
+        """Raise RunTakenOver once another driver took the lock over."""
+        if self.taken_over.is_set():
+            raise RunTakenOver(self.takeover_message())
 
     def release(self) -> None:
         self._stop.set()

@@ -24,6 +24,7 @@ from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight
 from raytrain_ddp.driver.monitor import RunRecorder
+from raytrain_ddp.driver.run_lock import RunLock
 
 log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
@@ -114,14 +115,22 @@ def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
     )
 
 
-def watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch) -> None:
-    """Drain the monitor until training ends (then once more), watching for a stall and for lost nodes.
+def watch(
+    monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch, lock: RunLock
+) -> None:
+    """Drain the monitor until training ends (then once more), watching for a stall and for lost nodes, and
+    ending the run when another driver took its directory over (then nothing more is recorded there).
 
     Every few seconds a progress line goes to driver.log (not the console,
     which gets one row per epoch), so a log shows where a long epoch stands.
     """
     last_logged, liveness = time.monotonic(), recorder.liveness
     while not stop.wait(POLL_INTERVAL_S):
+        if lock.taken_over.is_set():
+            if not recorder.abort_reason:
+                recorder.abort_reason = lock.takeover_message()
+                _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
+            continue
         try:
             recorder.consume(ray.get(monitor.drain.remote()))
             if time.monotonic() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
@@ -141,4 +150,5 @@ def watch(monitor, recorder: RunRecorder, stop: threading.Event, config: TrainCo
                 last_logged = time.monotonic()
         except Exception:  # the watcher must outlive a bad message: training goes on regardless
             log.exception("Error while reading worker news (training continues)")
-    recorder.consume(ray.get(monitor.drain.remote()))
+    if not lock.taken_over.is_set():
+        recorder.consume(ray.get(monitor.drain.remote()))
