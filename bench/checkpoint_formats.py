@@ -2,6 +2,7 @@
 checkpoint, and rank zero's peak resident memory.
 
     python -m bench.checkpoint_formats                 # the built-in transformer at dim 768, depth 8 (~60 M)
+    python -m bench.checkpoint_formats --depth 4 8                    # two sizes: what grows with the model
     python -m bench.checkpoint_formats --dim 256 --depth 2 --saves 2   # a quick look
 
 Two processes per format run the project's own code (strategy.distribute, full_state + checkpoint.save on
@@ -51,7 +52,7 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
 
     train(1)
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss: KiB)
-    plain = ckpt.plain_state({"world_size": 2}, ckpt.Position(), {}, {})
+    plain = ckpt.plain_state({"world_size": 2}, ckpt.Position(), {}, {"config": {}})
     blocked = []
     for _ in range(args["saves"]):
         dist.barrier()
@@ -63,7 +64,7 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
             if rank == 0:
                 directory = run_dir / ckpt.new_checkpoint_name()
                 directory.mkdir()
-                ckpt.save(str(directory), model_state, optimizer_state, {}, ckpt.Position(), {}, {})
+                ckpt.save(str(directory), model_state, optimizer_state, {}, ckpt.Position(), {}, {"config": {}})
             del model_state, optimizer_state
         blocked.append(time.perf_counter() - started)
         train(args["steps"])
@@ -109,21 +110,28 @@ def measure(fmt: str, args: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--depth", type=int, nargs="+", default=[8], help="one size per depth (4 8: two sizes)")
     parser.add_argument("--saves", type=int, default=3, help="checkpoints per format")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps between checkpoints")
     parser.add_argument("--json", help="also write the results here")
     args = vars(parser.parse_args())
-    results = {fmt: measure(fmt, args) for fmt in ("full", "sharded")}
-    print(f"FSDP, 2 CPU ranks (gloo), transformer {results['full']['parameters'] / 1e6:.1f} M parameters, AdamW")
-    print("| format | blocked per checkpoint (s, median) | final wait (s) | rank 0 peak RSS (GiB; before: GiB) |")
-    print("|---|---|---|---|")
-    for fmt, r in results.items():
-        median = sorted(r["blocked_s"])[len(r["blocked_s"]) // 2]
-        print(
-            f"| {fmt} | {median:.2f} ({', '.join(f'{b:.2f}' for b in r['blocked_s'])}) | {r['final_wait_s']:.2f} "
-            f"| {r['rank0_peak_rss_gib']:.2f} ({r['rank0_rss_before_gib']:.2f}) |"
-        )
+    results = {
+        depth: {fmt: measure(fmt, {**args, "depth": depth}) for fmt in ("full", "sharded")} for depth in args["depth"]
+    }
+    print("FSDP, 2 CPU ranks (gloo), the built-in transformer, AdamW; RSS growth: rank 0's peak while checkpointing")
+    print("less its peak after the first step (parameters, AdamW state, activations)")
+    header = "| parameters | format | blocked per checkpoint (s, median) | final wait (s) | rank 0 peak RSS (GiB)"
+    print(header + " | growth (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for by_format in results.values():
+        for fmt, r in by_format.items():
+            median = sorted(r["blocked_s"])[len(r["blocked_s"]) // 2]
+            each = ", ".join(f"{b:.2f}" for b in r["blocked_s"])
+            print(
+                f"| {r['parameters'] / 1e6:.1f} M | {fmt} | {median:.2f} ({each}) "
+                f"| {r['final_wait_s']:.2f} | {r['rank0_peak_rss_gib']:.2f} "
+                f"| {r['rank0_peak_rss_gib'] - r['rank0_rss_before_gib']:.2f} |"
+            )
     if args["json"]:
         Path(args["json"]).write_text(json.dumps(results, indent=2))
 

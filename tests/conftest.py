@@ -24,6 +24,14 @@ def _export_s3_credentials() -> None:
         os.environ.setdefault(key, value)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Every process this worker starts (its Ray and Ray's workers, CLI runs, the bench) inherits the mark:
+    # support.processes_with then leaves the other lane's processes out.
+    from support import LANE_ENV
+
+    os.environ[LANE_ENV] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     # A scheduler of our own, not xdist_group marks: `--dist loadgroup` reads them into the node id, which
     # pytest 9.2's node ids no longer take, so every test was its own group (two Slurm tests at once broke

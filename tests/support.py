@@ -36,15 +36,21 @@ def run_python_file(
     )
 
 
+LANE_ENV = "RAYTRAIN_TEST_LANE"  # the xdist worker that started a process (conftest.pytest_configure)
+
+
 def processes_with(needle: bytes) -> list[int]:
     """Pids of the processes whose command line holds `needle`, found in the process table as an operator would;
-    not those of the Slurm testbed's jobs (SLURM_JOB_ID in their environment), whose tests run in a lane beside."""
-    found = []
+    not those the other lane started (its mark in their environment: the bench's runs, say) nor the Slurm
+    testbed's jobs (SLURM_JOB_ID in their environment)."""
+    found, ours = [], f"{LANE_ENV}={os.environ.get(LANE_ENV, '')}".encode()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                in_a_slurm_job = b"SLURM_JOB_ID=" in (entry / "environ").read_bytes()
-                if needle in (entry / "cmdline").read_bytes() and not in_a_slurm_job:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                lane = next((item for item in environ if item.startswith(LANE_ENV.encode() + b"=")), ours)
+                elsewhere = lane != ours or any(item.startswith(b"SLURM_JOB_ID=") for item in environ)
+                if needle in (entry / "cmdline").read_bytes() and not elsewhere:
                     found.append(int(entry.name))
             except OSError:
                 continue

@@ -38,3 +38,59 @@ def test_smoke_bench_writes_the_four_figures(tmp_path):
     assert result["machine"]["cores"] >= 1 and result["machine"]["torch"] and result["machine"]["ray"]
     assert "throughput_parquet" not in result["figures"]  # the part --smoke leaves out
     assert "| Figure |" in md.read_text() and "| Figure |" in proc.stdout
+
+
+def _bench(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_checkpoint_formats_bench_measures_both_formats_at_each_size(tmp_path):
+    out = tmp_path / "formats.json"
+    proc = _bench(
+        "bench.checkpoint_formats",
+        "--dim",
+        "64",
+        "--depth",
+        "1",
+        "2",
+        "--saves",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert sorted(results) == ["1", "2"] and all(sorted(r) == ["full", "sharded"] for r in results.values())
+    for by_format in results.values():
+        for r in by_format.values():
+            assert len(r["blocked_s"]) == 1 and r["rank0_peak_rss_gib"] >= r["rank0_rss_before_gib"] > 0, r
+    assert results["2"]["full"]["parameters"] > results["1"]["full"]["parameters"]
+    assert "| growth (GiB) |" in proc.stdout
+
+
+def test_resume_after_kill_bench_measures_a_resume_from_an_interval_checkpoint(tmp_path):
+    """A real SIGKILL of one of its own run's Ray Train workers (never another lane's) after a sharded interval
+    checkpoint: the run resumes from it, so the steps trained again are those after it, not the whole epoch."""
+    out = tmp_path / "kill.json"
+    proc = _bench(
+        "bench.resume_after_kill",
+        "--dim",
+        "64",
+        "--depth",
+        "1",
+        "--kills",
+        "1",
+        "--minutes",
+        "0.1",
+        "--train-size",
+        "8000",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (round_,) = json.loads(out.read_text())["rounds"]
+    assert round_["kill_to_first_step_s"] > 0
+    assert round_["resumed_at_step"] > 1 and round_["steps_trained_again"] > 0, round_  # mid-epoch, from the checkpoint
+    assert "kill -> first trained step" in proc.stdout

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from support import TESTBED_LANE_FILES, lane_of
+from support import LANE_ENV, TESTBED_LANE_FILES, lane_of, processes_with
 
 TESTS = Path(__file__).parent
 
@@ -19,3 +22,18 @@ def test_slurm_tests_and_the_named_files_run_in_the_testbed_lane_and_the_rest_be
     assert lane_of("tests/test_docs.py::test_readme[x::y]") == "testbed"
     assert lane_of("tests/test_train.py::test_python_api_elastic_start_on_uneven_data") == "local-ray"
     assert lane_of("tests/test_ray_compat.py::test_a_tested_ray_is_quiet[2.60.0]") == "local-ray"
+
+
+def test_processes_the_other_lane_started_are_not_this_lanes() -> None:
+    """The bench's training runs in the testbed lane while a local-Ray test looks for Ray Train workers left
+    over: each sees only its own lane's processes (marked in their environment)."""
+    needle = "lane-check-" + os.urandom(4).hex()
+    sleeper = [sys.executable, "-c", "import sys, time; time.sleep(60)", needle]
+    ours = subprocess.Popen(sleeper)
+    theirs = subprocess.Popen(sleeper, env={**os.environ, LANE_ENV: "the-other-lane"})
+    try:
+        assert processes_with(needle.encode()) == [ours.pid]
+    finally:
+        for process in (ours, theirs):
+            process.kill()
+            process.wait()
