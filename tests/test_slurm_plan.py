@@ -219,16 +219,18 @@ def test_precheck_packs_like_preflight_fractional_cpus_included():
 
 
 @pytest.mark.parametrize(
-    "env, at",
+    "env, squeue, end",
     [
-        ({"SLURM_JOB_END_TIME": "1800000000"}, 1800000000 - 300),
-        ({"SLURM_JOB_END_TIME": "0"}, None),  # no time limit
-        ({"SLURM_JOB_END_TIME": "soon"}, None),
-        ({}, None),
+        ({"SLURM_JOB_END_TIME": "1800000000"}, "", 1800000000),
+        ({"SLURM_JOB_END_TIME": "0"}, "", None),  # no time limit
+        ({"SLURM_JOB_END_TIME": "soon"}, "", None),
+        ({}, "", None),
+        ({}, "1800000000\n", 1800000000),  # Slurm before 23.02: squeue's end time
+        ({}, "N/A\n", None),
     ],
 )
-def test_the_stop_before_the_time_limit(env, at):
-    assert plan.stop_before_end(env, margin_s=300) == at
+def test_the_jobs_end_time(env, squeue, end):
+    assert plan.job_end_time(env, squeue) == end
 
 
 def test_catches_reads_a_real_processes_signal_handlers():

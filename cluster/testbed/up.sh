@@ -20,6 +20,8 @@ for b in slurmctld slurmd munged scontrol sinfo nsenter unshare ip; do
     command -v "$b" >/dev/null || die "$b not found; run cluster/testbed/install.sh"
 done
 # One up.sh at a time: a second one would find the first's half-made testbed "broken" and tear it down.
+# The daemons started below get the lock's descriptor closed ({up_lock}>&-): one that kept it (munged
+# does) would hold the lock for its whole life, and the next up.sh would wait for ever.
 exec {up_lock}>/run/raytrain-testbed-up.lock
 flock "$up_lock"
 
@@ -74,7 +76,7 @@ else
         chown munge:munge /etc/munge/munge.key
         chmod 0400 /etc/munge/munge.key
     fi
-    runuser -u munge -- munged
+    runuser -u munge -- munged {up_lock}>&-
     for ((i = 0; i < 50; i++)); do munge_ok && break; sleep 0.1; done
     munge_ok || die "munged did not come up (see /var/log/munge/munged.log)"
     cp /run/munge/munged.pid "$TESTBED_DIR/run/munged.pid"   # ours: down.sh stops it
@@ -192,7 +194,7 @@ CONF
 if ! pidfile_alive "$TESTBED_DIR/slurmctld.pid"; then
     log "starting slurmctld on $CTLD_HOST ($HOST_ADDR)"
     # -c: start clean (no saved jobs/node states from an earlier testbed)
-    slurmctld -c
+    slurmctld -c {up_lock}>&-
 fi
 
 # ---- one slurmd per node, inside its namespace -----------------------------
@@ -211,7 +213,7 @@ for ((i = 1; i <= N; i++)); do
             mount --bind "$2" /etc/hosts
             mount --bind "$3" /etc/resolv.conf
             exec slurmd -N "$1"
-        ' sh "$name" "$hosts_file" "$TESTBED_DIR/resolv.conf"
+        ' sh "$name" "$hosts_file" "$TESTBED_DIR/resolv.conf" {up_lock}>&-
 done
 
 # ---- wait until every node is idle ----------------------------------------

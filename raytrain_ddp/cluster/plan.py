@@ -134,14 +134,14 @@ def gpu_mismatch(node: str, visible: str | None, gpus: int) -> str | None:
     return None
 
 
-def stop_before_end(env: Mapping[str, str], margin_s: float) -> float | None:
-    """When the job asks its trainer to checkpoint and stop, as Slurm's USR1 would: margin_s before the time
-    limit, SLURM_JOB_END_TIME (Unix seconds). None for a job without one (unset, 0, or not a number)."""
-    try:
-        end = int(env.get("SLURM_JOB_END_TIME", "0"))
-    except ValueError:
-        return None
-    return end - margin_s if end > 0 else None
+def job_end_time(env: Mapping[str, str], squeue_end: str = "") -> int | None:
+    """The job's time limit in Unix seconds: SLURM_JOB_END_TIME (Slurm 23.02 and later set it), else what
+    `SLURM_TIME_FORMAT=%s squeue -h -j JOB -o %e` printed (older Slurm). None for a job without one (unset,
+    0, not a number, squeue's N/A)."""
+    for text in (env.get("SLURM_JOB_END_TIME", ""), squeue_end.strip()):
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return None
 
 
 def run_name(job_name: str | None, job_id: int) -> str:

@@ -142,13 +142,14 @@ class Launcher:
         """The trainer's exit code; after a TERM it gets RAYTRAIN_STOP_GRACE_S to checkpoint and exit."""
         grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "60"))
         margin = float(os.environ.get("RAYTRAIN_STOP_BEFORE_END_S", "300"))
-        stop_at = planning.stop_before_end(os.environ, margin)
+        end = planning.job_end_time(os.environ, "" if "SLURM_JOB_END_TIME" in os.environ else self.squeue_end_time())
+        stop_at = end - margin if end is not None else None
         started = time.monotonic()
         while (rc := self.trainer.poll()) is None:
             if stop_at is not None and time.time() >= stop_at and not self.got_usr1:
                 # as if Slurm's USR1 had come: a job submitted without --signal, or a signal lost, still
                 # ends with a checkpoint and is requeued
-                log.info("the time limit is %.0fs away (SLURM_JOB_END_TIME) and no USR1 came", margin)
+                log.info("the time limit is %.0fs away and no USR1 came", margin)
                 self.on_usr1(signal.SIGUSR1, None)
             self.deliver()
             if self.got_term and time.monotonic() > max(self.term_at, started) + grace:
@@ -156,6 +157,21 @@ class Launcher:
                 raise Stop(143)
             time.sleep(0.2)
         return rc
+
+    @staticmethod
+    def squeue_end_time() -> str:
+        """The job's end time as squeue prints it in Unix seconds (Slurm before 23.02 sets no SLURM_JOB_END_TIME);
+        "" when squeue does not answer."""
+        try:
+            return subprocess.run(
+                ["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"],
+                env={**os.environ, "SLURM_TIME_FORMAT": "%s"},
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
 
     # ---------------------------------------------------------------- the job
     def run(self) -> int:

@@ -270,6 +270,45 @@ def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
     assert_no_leftovers(job, timeout=40)
 
 
+def test_the_launcher_stops_the_trainer_ahead_of_the_time_limit_when_no_usr1_comes(testbed: Testbed) -> None:
+    """Slurm 22.05 (the testbed's) sets no SLURM_JOB_END_TIME: the launcher reads the job's end time from
+    squeue and, RAYTRAIN_STOP_BEFORE_END_S before it, sends the trainer the USR1 that Slurm's own warning (here
+    5 s before the 3-minute limit) would send too late."""
+    wd = testbed.workdir("end-time")
+    env = testbed.env(RAYTRAIN_MODULE="ray_probe", RAYTRAIN_STOP_BEFORE_END_S="150")
+    one_node = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=3", "--gpus-per-node=0"]
+    sub = subprocess.run(
+        [
+            *("sbatch", "--parsable", "--output", str(wd / "job.out"), *one_node, "--time=3", "--signal=B:USR1@5"),
+            *(str(REPO / "cluster" / "start_ray_slurm.sh"), "--hold-seconds", "600"),
+        ],
+        cwd=wd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    job_id = int(sub.stdout.strip().split(";")[0])
+    run_dir, log_path, t0 = wd / "runs" / f"raytrain-{job_id}", wd / "job.out", time.monotonic()
+    try:
+        wait_for_line(log_path, "probe: holding", t0, 120, "probe never started")
+        deadline = time.monotonic() + 90  # the stop comes 30 s into the job; Slurm's USR1 only at 175 s
+        while not (run_dir / "got_usr1").exists():
+            assert time.monotonic() < deadline, "no stop ahead of the time limit:\n" + log_path.read_text()
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", str(job_id)], timeout=30)
+    log = log_path.read_text()
+    assert "the time limit is 150s away and no USR1 came" in log, log
+    assert "got USR1" not in log.split("the time limit is 150s away")[0], log  # not Slurm's own warning
+    deadline = time.monotonic() + 120
+    while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, "cancelled job did not end"
+        time.sleep(1)
+    assert_no_leftovers(Job(job_id, -1, log_path.read_text(), time.monotonic() - t0, wd), timeout=40)
+
+
 def _log_time(log: str, needle: str) -> float:
     """Seconds of the day of the first `[raytrain HH:MM:SS]` line containing `needle`."""
     line = next(l for l in log.splitlines() if needle in l)
