@@ -62,12 +62,12 @@ def test_checkpoint_formats_bench_measures_both_formats_at_each_size(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert sorted(results) == ["1", "2"] and all(sorted(r) == ["full", "sharded"] for r in results.values())
+    assert sorted(results) == ["1", "2"] and all(sorted(r) == ["full", "none", "sharded"] for r in results.values())
     for by_format in results.values():
         for r in by_format.values():
             assert len(r["blocked_s"]) == 1 and r["rank0_peak_rss_gib"] >= r["rank0_rss_before_gib"] > 0, r
     assert results["2"]["full"]["parameters"] > results["1"]["full"]["parameters"]
-    assert "| growth (GiB) |" in proc.stdout
+    assert "| added (GiB) |" in proc.stdout
 
 
 def test_resume_after_kill_bench_measures_a_resume_from_an_interval_checkpoint(tmp_path):
