@@ -377,14 +377,6 @@ class TrainConfig:
                 "beside what Ray Train appends"
             )
         self.storage_path = _check_storage_path(self.storage_path)
-        if isinstance(self.run_dir, storage.RemotePath):
-            # the workers write these with local file APIs (torch.profiler's trace, np.save)
-            for wanted, flag in (
-                (self.profile_steps, "--profile-steps"),
-                (self.record_sample_ids, "--record-sample-ids"),
-            ):
-                if wanted:
-                    raise ConfigError(f"{flag} needs a local or shared-filesystem --storage-path, not object storage")
         return self
 
 

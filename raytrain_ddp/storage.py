@@ -179,13 +179,6 @@ def check_remote(storage: RemotePath, flag: str = "--storage-path") -> None:
         raise ConfigError(f"{flag} {given!r}: bucket {bucket!r} does not exist (create it first)")
 
 
-def local_path(where: str | RunPath, what: str) -> Path:
-    """`where` as a local Path; ConfigError for object storage, which `what` cannot use."""
-    if isinstance(where, RemotePath):
-        raise ConfigError(f"{where}: {what} need a filesystem every rank shares, not object storage")
-    return Path(where)
-
-
 def open_for_read(path: RunPath) -> io.BytesIO | Path:
     """Something torch.load (or np.load) can read: the local path itself, or the remote object's bytes."""
     return path if isinstance(path, Path) else io.BytesIO(path.read_bytes())

@@ -7,6 +7,7 @@ resume; the bad inputs fail before Ray starts.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 from support import REPO
@@ -55,9 +57,16 @@ def test_a_run_on_s3_writes_everything_there_and_resumes_past_a_corrupt_checkpoi
     run = f"{BUCKET}/runs/on-s3"
     train = ["raytrain_ddp.run", "--address", ray_address, "--storage-path", storage, "--name", "on-s3"]
     train += ["--train-size", "1024", "--val-size", "256", "--log-every-steps", "4"]
-    first = _cli(tmp_path, *train, "--epochs", "2")
+    first = _cli(tmp_path, *train, "--epochs", "2", "--profile-steps", "2:3", "--record-sample-ids")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "driver.lock is on object storage" in first.stderr  # the lock's limit, said once
+    # what the workers write goes to the bucket too: the profile's files, the ids each rank trained on
+    for rank in (0, 1):
+        assert json.loads(_read(fs, f"{run}/profile/rank-{rank}.top_ops.json"))["steps"] == [2, 3]
+        assert '"traceEvents"' in _read(fs, f"{run}/profile/rank-{rank}.trace.json")
+    with fs.open_input_stream(f"{run}/sample_ids/epoch-1-rank-0.npy") as stream:
+        ids = np.load(io.BytesIO(stream.read()))
+    assert len(ids) == 512  # rank 0's half of the 1024 training rows
 
     names = {info.base_name: info for info in fs.get_file_info(pafs.FileSelector(run))}
     for name in ("config.toml", "metrics.jsonl", "steps.jsonl", "summary.json", "driver.log"):

@@ -13,6 +13,7 @@ without stopping.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import logging
 import os
@@ -31,9 +32,9 @@ from torch import nn
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
+from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
-from raytrain_ddp.storage import local_path
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
@@ -77,10 +78,13 @@ def make_loss_fn(config: TrainConfig, loss_fn=None):
 
 
 def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -> None:
-    """The ids this rank trained on this epoch, in order: RUN_DIR/sample_ids/epoch-E-rank-R.npy."""
-    directory = local_path(config.run_dir, "--record-sample-ids files") / "sample_ids"  # validate refuses URIs
+    """The ids this rank trained on this epoch, in order: RUN_DIR/sample_ids/epoch-E-rank-R.npy (on object
+    storage too: one object, written whole)."""
+    directory = config.run_dir / "sample_ids"
     directory.mkdir(parents=True, exist_ok=True)
-    np.save(directory / f"epoch-{epoch}-rank-{rank}.npy", np.concatenate(batches) if batches else np.empty(0, np.int64))
+    array = io.BytesIO()
+    np.save(array, np.concatenate(batches) if batches else np.empty(0, np.int64))
+    write_atomic(directory / f"epoch-{epoch}-rank-{rank}.npy", array.getvalue())
 
 
 def _label_worker_logs(rank: int) -> None:

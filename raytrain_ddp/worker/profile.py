@@ -5,7 +5,8 @@ https://ui.perfetto.dev or chrome://tracing) and ``rank-N.top_ops.json``, its
 operators by self time, which the report shows without reading the traces
 (nor importing torch: this module imports it only where a profile is taken).
 Ranks write straight into the run directory, as they do sample_ids/: on a
-cluster it is shared storage. No profiler exists outside the window: it starts
+cluster it is shared storage; on object storage each rank writes its files in a
+directory of its own and uploads them. No profiler exists outside the window: it starts
 when step A's first micro-batch begins and stops after step B's optimizer step
 (or when the run's loop ends first).
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_ddp.files import write_atomic
-from raytrain_ddp.storage import RunPath, local_path
+from raytrain_ddp.storage import RunPath
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +53,7 @@ class StepProfile:
         self.marker: Any = None  # the open "optimizer step N" range in the trace
         self.first_step = 0
         self.last_step = 0
+        self.staging: Path | None = None  # this rank's local directory when the run directory is on object storage
 
     def step_begins(self, step: int) -> None:
         """A micro-batch of optimizer step `step` is about to run."""
@@ -82,6 +86,7 @@ class StepProfile:
         profiler, self.profiler = self.profiler, None
         profiler.stop()
         run_dir = self._local_run_dir()
+        assert self.run_dir is not None  # given whenever a window is
         trace = trace_path(run_dir, self.rank)
         partial = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")  # whole or not at all, as write_atomic
         profiler.export_chrome_trace(str(partial))
@@ -93,7 +98,12 @@ class StepProfile:
             "ops": top_ops(profiler.key_averages(), on_gpu=self.device.type == "cuda"),
         }
         write_atomic(top_ops_path(run_dir, self.rank), json.dumps(table, indent=1) + "\n")
-        log.info("profile of optimizer steps %d-%d written to %s", self.first_step, self.last_step, trace)
+        if run_dir != self.run_dir:  # object storage: one object per file, written whole
+            for written in (trace, top_ops_path(run_dir, self.rank)):
+                write_atomic(self.run_dir / PROFILE_DIR / written.name, written.read_bytes())
+            shutil.rmtree(run_dir, ignore_errors=True)
+        where = self.run_dir / PROFILE_DIR / trace.name
+        log.info("profile of optimizer steps %d-%d written to %s", self.first_step, self.last_step, where)
 
     def _start(self, step: int) -> None:
         import torch.profiler
@@ -107,8 +117,13 @@ class StepProfile:
         self.first_step = step
 
     def _local_run_dir(self) -> Path:
+        """Where torch.profiler writes: the run directory, or on object storage a directory of this rank's."""
         assert self.run_dir is not None  # given whenever a window is
-        return local_path(self.run_dir, "--profile-steps traces")  # config.validate refuses object storage
+        if isinstance(self.run_dir, Path):
+            return self.run_dir
+        if self.staging is None:
+            self.staging = Path(tempfile.mkdtemp(prefix="raytrain-profile-"))
+        return self.staging
 
     def __enter__(self) -> StepProfile:
         return self
