@@ -126,12 +126,11 @@ def watch(
     """
     last_logged, liveness = time.monotonic(), recorder.liveness
     while not stop.wait(POLL_INTERVAL_S):
-        if lock.taken_over.is_set():
-            if not recorder.abort_reason:
-                recorder.abort_reason = lock.takeover_message()
-                _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
-            continue
         try:
+            if lock.taken_over.is_set():  # every poll until fit() returns: a controller that starts late goes too
+                recorder.abort_reason = recorder.abort_reason or lock.takeover_message()
+                _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
+                continue
             recorder.consume(ray.get(monitor.drain.remote()))
             if time.monotonic() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
                 _note_node_changes(config, recorder, node_watch)
