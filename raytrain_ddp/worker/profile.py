@@ -102,6 +102,7 @@ class StepProfile:
             for written in (trace, top_ops_path(run_dir, self.rank)):
                 write_atomic(self.run_dir / PROFILE_DIR / written.name, written.read_bytes())
             shutil.rmtree(run_dir, ignore_errors=True)
+            self.staging = None
         where = self.run_dir / PROFILE_DIR / trace.name
         log.info("profile of optimizer steps %d-%d written to %s", self.first_step, self.last_step, where)
 

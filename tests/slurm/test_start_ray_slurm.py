@@ -223,50 +223,38 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
     assert_no_leftovers(job)
 
 
-def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
-    """USR1 (the pre-timeout warning) reaches the trainer; scancel stops
-    every Ray process of the job on every node."""
-    wd = testbed.workdir("cancel")
-    env = testbed.env(RAYTRAIN_MODULE="ray_probe")
-    sub = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--output",
-            str(wd / "job.out"),
-            *TWO_NODES,
-            str(Path(__file__).parents[2] / "cluster" / "start_ray_slurm.sh"),
-            "--hold-seconds",
-            "600",
-        ],
-        cwd=wd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    job_id = int(sub.stdout.strip().split(";")[0])
-    run_dir = wd / "runs" / f"raytrain-{job_id}"
-    t0 = time.monotonic()
-    log_path = wd / "job.out"
-    try:
-        wait_for_line(log_path, "probe: holding", t0, 300, "probe never started")
-        assert job_processes(job_id), "Ray processes of the running job should be visible"
-        subprocess.run(["scancel", "--batch", "--signal=USR1", str(job_id)], check=True, timeout=30)
-        deadline = time.monotonic() + 30
-        while not (run_dir / "got_usr1").exists():
-            assert time.monotonic() < deadline, "USR1 was not forwarded to the trainer:\n" + log_path.read_text()
-            time.sleep(0.5)
-    finally:
-        subprocess.run(["scancel", str(job_id)], timeout=30)
+def _wait_for_usr1(run_dir: Path, log_path: Path, within_s: float, what: str) -> None:
+    """Until the probe (tests/slurm/ray_probe.py) has recorded a USR1."""
+    deadline = time.monotonic() + within_s
+    while not (run_dir / "got_usr1").exists():
+        assert time.monotonic() < deadline, f"{what}:\n" + log_path.read_text()
+        time.sleep(0.5)
+
+
+def _cancel_and_wait(job_id: int, wd: Path, t0: float) -> Job:
+    """scancel the job, wait for it to leave the queue; the job as it ended."""
+    subprocess.run(["scancel", str(job_id)], timeout=30)
     deadline = time.monotonic() + 120
     while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
         assert time.monotonic() < deadline, "cancelled job did not end"
         time.sleep(1)
-    log = log_path.read_text()
-    job = Job(job_id, -1, log, time.monotonic() - t0, wd)
-    assert "forwarding to the trainer" in log, show(job)
+    return Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
+
+
+def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
+    """USR1 (the pre-timeout warning) reaches the trainer; scancel stops
+    every Ray process of the job on every node."""
+    wd = testbed.workdir("cancel")
+    job_id = testbed.submit(wd, TWO_NODES, ["--hold-seconds", "600"], RAYTRAIN_MODULE="ray_probe")
+    t0, log_path = time.monotonic(), wd / "job.out"
+    try:
+        wait_for_line(log_path, "probe: holding", t0, 300, "probe never started")
+        assert job_processes(job_id), "Ray processes of the running job should be visible"
+        subprocess.run(["scancel", "--batch", "--signal=USR1", str(job_id)], check=True, timeout=30)
+        _wait_for_usr1(wd / "runs" / f"raytrain-{job_id}", log_path, 30, "USR1 was not forwarded to the trainer")
+    finally:
+        job = _cancel_and_wait(job_id, wd, t0)
+    assert "forwarding to the trainer" in job.log, show(job)
     assert_no_leftovers(job, timeout=40)
 
 
@@ -275,38 +263,20 @@ def test_the_launcher_stops_the_trainer_ahead_of_the_time_limit_when_no_usr1_com
     squeue and, RAYTRAIN_STOP_BEFORE_END_S before it, sends the trainer the USR1 that Slurm's own warning (here
     5 s before the 3-minute limit) would send too late."""
     wd = testbed.workdir("end-time")
-    env = testbed.env(RAYTRAIN_MODULE="ray_probe", RAYTRAIN_STOP_BEFORE_END_S="150")
     one_node = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=3", "--gpus-per-node=0"]
-    sub = subprocess.run(
-        [
-            *("sbatch", "--parsable", "--output", str(wd / "job.out"), *one_node, "--time=3", "--signal=B:USR1@5"),
-            *(str(REPO / "cluster" / "start_ray_slurm.sh"), "--hold-seconds", "600"),
-        ],
-        cwd=wd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    job_id = int(sub.stdout.strip().split(";")[0])
-    run_dir, log_path, t0 = wd / "runs" / f"raytrain-{job_id}", wd / "job.out", time.monotonic()
+    sbatch_args = [*one_node, "--time=3", "--signal=B:USR1@5"]
+    env = {"RAYTRAIN_MODULE": "ray_probe", "RAYTRAIN_STOP_BEFORE_END_S": "150"}
+    job_id = testbed.submit(wd, sbatch_args, ["--hold-seconds", "600"], **env)
+    t0, log_path = time.monotonic(), wd / "job.out"
     try:
         wait_for_line(log_path, "probe: holding", t0, 120, "probe never started")
-        deadline = time.monotonic() + 90  # the stop comes 30 s into the job; Slurm's USR1 only at 175 s
-        while not (run_dir / "got_usr1").exists():
-            assert time.monotonic() < deadline, "no stop ahead of the time limit:\n" + log_path.read_text()
-            time.sleep(0.5)
+        # the stop comes 30 s into the job; Slurm's USR1 only at 175 s
+        _wait_for_usr1(wd / "runs" / f"raytrain-{job_id}", log_path, 90, "no stop ahead of the time limit")
     finally:
-        subprocess.run(["scancel", str(job_id)], timeout=30)
-    log = log_path.read_text()
-    assert "the time limit is 150s away and no USR1 came" in log, log
-    assert "got USR1" not in log.split("the time limit is 150s away")[0], log  # not Slurm's own warning
-    deadline = time.monotonic() + 120
-    while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
-        assert time.monotonic() < deadline, "cancelled job did not end"
-        time.sleep(1)
-    assert_no_leftovers(Job(job_id, -1, log_path.read_text(), time.monotonic() - t0, wd), timeout=40)
+        job = _cancel_and_wait(job_id, wd, t0)
+    assert "the time limit is 150s away and no USR1 came" in job.log, job.log
+    assert "got USR1" not in job.log.split("the time limit is 150s away")[0], job.log  # not Slurm's own warning
+    assert_no_leftovers(job, timeout=40)
 
 
 def _log_time(log: str, needle: str) -> float:
