@@ -76,39 +76,73 @@ def ray_address() -> str:
 
 
 @pytest.fixture(scope="session")
-def trained_run(ray_address, tmp_path_factory):
-    """One short real run (2 workers, 2 epochs), trained once for every test that only reads its results.
+def shared_run(tmp_path_factory):
+    """`python -m raytrain_ddp.run` with the built-in defaults but the sizes, on a local Ray of its own (dashboard
+    on), trained once for every test that only reads what a run prints and writes: (the command's output, its
+    run directory).
 
-    It also logs to an MLflow file store, STORAGE/mlruns, to an offline W&B run in RUN_DIR/wandb/, records every
-    4th step and profiles steps 3 and 4 (test_observe reads them back).
+    It also logs to an MLflow file store, STORAGE/mlruns, to an offline W&B run in RUN_DIR/wandb/, records
+    every 4th optimizer step and profiles steps 3 and 4 (test_observe and test_report read them back).
     """
-    from support import WANDB_OFFLINE
+    from support import WANDB_OFFLINE, run_cli, shared_run_args
+
+    storage = tmp_path_factory.mktemp("shared-runs")
+    # not the session Ray's token (this process's environment holds it): the one the command makes for its own;
+    # W&B: no network here, and nothing prompts
+    env = {**WANDB_OFFLINE, "RAY_AUTH_TOKEN_PATH": ""}
+    result = run_cli("raytrain_ddp.run", *shared_run_args(storage), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, storage / "shared"
+
+
+@pytest.fixture(scope="session")
+def trained_run(shared_run):
+    """The shared run's directory."""
+    return shared_run[1]
+
+
+@pytest.fixture(scope="session")
+def elastic_run(ray_address, tmp_path_factory):
+    """One fit() from Python on the shared Ray, read by test_train and test_worker_sync: --min-workers (4 asked,
+    2 fit beside the data-loading CPU), --scale-lr, train rows that do not split evenly, an odd-sized val split;
+    micro-batches of 8 (130 per rank and epoch) whose host-device waits each rank counts over SYNC_WINDOW of
+    epoch 1 (worker_hooks.CountSyncs, into RUN_DIR/sync-counts), with the sample ids recorded (their path is
+    counted too)."""
+    import ray
+    from support import SYNC_WINDOW
 
     from raytrain_ddp import TrainConfig, fit
 
-    storage = tmp_path_factory.mktemp("shared-runs")
-    with pytest.MonkeyPatch.context() as env:  # the driver logs to W&B: no network here, and nothing prompts
-        for key, value in WANDB_OFFLINE.items():
-            env.setenv(key, value)
-        env.delenv("WANDB_DIR", raising=False)  # the default: the run's own directory
+    # Ray Train starts an elastic group with the workers that fit when it starts: every CPU free first (the
+    # tests before may leave actors and Ray Data tasks that take a second to go)
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    storage = tmp_path_factory.mktemp("elastic-runs")
+    counts = storage / "sync-counts"
+    counts.mkdir()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:CountSyncs")
+        env.setenv("RAYTRAIN_TEST_COUNT_SYNCS", f"{counts}:{SYNC_WINDOW[0]}:{SYNC_WINDOW[1]}")
         result = fit(
             TrainConfig(
-                num_workers=2,
+                num_workers=4,
+                min_workers=1,
+                scale_lr=True,
                 epochs=2,
-                train_size=1024,
-                val_size=256,
+                dataset="synthetic-tabular",
+                model="mlp",
+                train_size=2081,
+                val_size=301,
+                batch_size=8,
+                record_sample_ids=True,
                 storage_path=str(storage),
-                name="shared",
+                name="elastic",
                 report=False,
                 tensorboard=False,
-                mlflow_uri=f"file://{storage}/mlruns",
-                log_every_steps=4,  # 8 optimizer steps per epoch: steps.jsonl holds two records of each epoch
-                wandb_project="raytrain-tests",
-                profile_steps="3:4",  # a torch.profiler trace of two steps on each rank
             )
         )
-    assert result.ok, result.summary.get("error")
-    return result.run_dir
+    return result, counts
 
 
 @pytest.fixture(scope="session")

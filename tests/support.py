@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -99,11 +100,8 @@ def corrupt_row_group(path: Path, row_group: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def listening_addresses(root: int) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of every TCP socket listening in process `root` or its descendants, read from
-    /proc/net/tcp and tcp6 as `ss -ltnp` reads them."""
-    import ipaddress
-
+def descendants(root: int) -> list[int]:
+    """The pids of every live descendant of process `root` (read from /proc), children before theirs."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         try:
@@ -112,10 +110,30 @@ def listening_addresses(root: int) -> list[tuple[str, int, int]]:
             continue
         if parent is not None:
             children.setdefault(parent, []).append(int(entry.name))
-    owner, todo = {}, [root]
+    found, todo = [], list(children.get(root, []))
     while todo:
-        pid = todo.pop()
+        pid = todo.pop(0)
+        found.append(pid)
         todo += children.get(pid, [])
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a process and every process under it at once (a Ray started by `ray start --block` stops its
+    processes one by one, each given seconds to exit: half a minute, for a test's throwaway cluster)."""
+    for pid in [process.pid, *descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+def listening_addresses(root: int) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every TCP socket listening in process `root` or its descendants, read from
+    /proc/net/tcp and tcp6 as `ss -ltnp` reads them."""
+    import ipaddress
+
+    owner = {}
+    for pid in [root, *descendants(root)]:
         try:
             links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
         except OSError:
@@ -133,6 +151,23 @@ def listening_addresses(root: int) -> list[tuple[str, int, int]]:
                 found.append((str(address), int(hex_port, 16), owner[fields[9]]))
     return found
 
+
+# conftest.shared_run: the built-in defaults but the sizes (8192/2048 rows, 5 epochs: ~45 s more here;
+# test_train.test_cli_defaults pins those), 32 optimizer steps per epoch
+SHARED_EPOCHS, SHARED_TRAIN_ROWS, SHARED_VAL_ROWS = 2, 4096, 1024
+
+
+def shared_run_args(storage: Path) -> list[str]:
+    """conftest.shared_run's command line, after `python -m raytrain_ddp.run`."""
+    return [
+        *("--storage-path", str(storage), "--name", "shared", "--epochs", str(SHARED_EPOCHS)),
+        *("--train-size", str(SHARED_TRAIN_ROWS), "--val-size", str(SHARED_VAL_ROWS)),
+        *("--mlflow-uri", f"file://{storage}/mlruns", "--wandb-project", "raytrain-tests"),
+        *("--log-every-steps", "4", "--profile-steps", "3:4"),  # a torch.profiler trace of two steps on each rank
+    ]
+
+
+SYNC_WINDOW = (5, 125)  # the steady micro-batches of epoch 1 whose host-device waits are counted (elastic_run)
 
 WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # no network here: W&B writes its files only
 

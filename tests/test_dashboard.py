@@ -3,6 +3,8 @@ Chromium, logged in with the cluster's token, sees it by name.
 
 One real Ray head (`ray start --head --block`, dashboard and token auth on, started without any
 Train setting, as the Slurm job starts it) outlives the CLI run, so "after the run" can be checked.
+The run loses a worker to a real SIGKILL mid-run: the dashboard shows both attempts, and what the
+restart kept is checked here too (one run for both: each costs half a minute).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO, dashboard_get, listening_addresses, processes_with, train_api_run
+from support import REPO, dashboard_get, kill_tree, listening_addresses, processes_with, train_api_run
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API, login_hint
 from raytrain_ddp.files import create_private
@@ -49,10 +52,30 @@ def _wait_for(predicate, what: str, timeout: float, process: subprocess.Popen | 
     pytest.fail(f"no {what} within {timeout:.0f}s")
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head with the dashboard and token auth on; its token file; torn down by its own `--block` process."""
-    token_path = tmp_path / "auth_token"
+@pytest.mark.ray
+def test_a_local_ray_is_private(ray_address):
+    """(First in this file: the Ray head of the tests below listens on every interface, as a Slurm job's does.)
+    The session's Ray, started as the command starts one: its token file is new, 0600 in a 0700 directory
+    of its own (not ~/.ray/auth_token, 0644 and kept for ever), and its GCS and raylet were started with it;
+    every listener of the Ray processes it started is on loopback (not 0.0.0.0 or ::)."""
+    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
+    assert token.parent.parent == Path.home() / ".raytrain", token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    started_with = f"RAY_AUTH_TOKEN_PATH={token}".encode()
+    for program in (b"gcs_server", b"raylet"):
+        assert any(started_with in _environment(pid) for pid in processes_with(program)), program
+    # the Ray processes this one started (its own sockets include other tests', a torch TCPStore's)
+    listening = [found for found in listening_addresses(os.getpid()) if found[2] != os.getpid()]
+    programs = {Path(_command(pid)[0]).name for _, _, pid in listening}
+    assert {"gcs_server", "raylet"} <= programs, listening  # the GCS, the raylet and its object manager...
+    open_to_all = [(address, port, _command(pid)) for address, port, pid in listening if not _loopback(address)]
+    assert not open_to_all, open_to_all  # ...the workers' gRPC servers, the agents: loopback only
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A Ray head with the dashboard and token auth on; its token file; torn down with its processes."""
+    token_path = tmp_path_factory.mktemp("ray-head") / "auth_token"
     token_path.write_text(secrets.token_hex(32))
     token_path.chmod(0o600)
     env = {
@@ -92,51 +115,27 @@ def ray_head(tmp_path):
             "token_path": token_path,
         }
     finally:
-        head.terminate()  # `ray start --block` stops the processes it started, and only those
-        head.wait(timeout=60)
+        kill_tree(head)  # the processes it started, and only those
 
 
-@pytest.mark.ray
-@pytest.mark.skipif(
-    CHROMIUM is None and os.environ.get("CI") != "true",  # in CI a missing browser fails
-    reason="needs Debian's chromium (apt-get install chromium)",
-)
-def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
-    dashboard, token = ray_head["dashboard"], ray_head["token"]
+@pytest.fixture(scope="module")
+def killed_run(ray_head, tmp_path_factory):
+    """A CLI run on the head (3 epochs of 32 optimizer steps, a steps.jsonl record every 10th) whose Ray Train
+    worker gets a SIGKILL from outside mid-epoch 2, after epoch 1's checkpoint; the run as the Train API
+    listed it while RUNNING (before the kill) and after; the command's output and return code."""
+    runs = tmp_path_factory.mktemp("runs")
+    run_dir = runs / NAME
     run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "raytrain_ddp.run",
-            "--address",
-            ray_head["address"],
-            "--num-workers",
-            "2",
-            "--epochs",
-            "2",
-            "--train-size",
-            "1024",
-            "--val-size",
-            "128",
-            "--storage-path",
-            str(tmp_path / "runs"),
-            "--name",
-            NAME,
-            "--no-report",
-            "--no-tensorboard",
-        ],
+        [sys.executable, "-m", "raytrain_ddp.run", "--address", ray_head["address"], "--num-workers", "2"]
+        + ["--epochs", "3", "--train-size", "4096", "--val-size", "512", "--storage-path", str(runs), "--name", NAME]
+        + ["--no-report", "--no-tensorboard"],
         cwd=REPO,
-        env={
-            **ray_head["env"],
-            # rank 1's process dies in epoch 2 of the first attempt: Ray Train restarts, a second attempt
-            "RAYTRAIN_WORKER_HOOKS": "worker_hooks:DieOnce",
-            "RAYTRAIN_TEST_DIE_ONCE": f"{tmp_path}:1:2:3",
-            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-        },
+        env=ray_head["env"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    dashboard, token = ray_head["dashboard"], ray_head["token"]
     try:
 
         def running_with_workers():
@@ -145,11 +144,43 @@ def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
                 return found
 
         during = _wait_for(running_with_workers, f"RUNNING run {NAME!r} with workers in {TRAIN_RUNS_API}", 300, run)
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "epoch 1's record", 300, run)
+        time.sleep(1.5)  # into epoch 2, after epoch 1's checkpoint
+        victims = processes_with(b"RayTrainWorker")  # Ray Train worker processes (of this lane: the head's)
+        assert victims, "no Ray Train worker process found"
+        os.kill(victims[-1], signal.SIGKILL)  # mid-epoch 2, from outside the training code
         output, _ = run.communicate(timeout=600)
     finally:
         run.kill()
-    assert run.returncode == 0, output[-3000:]
-    workers = during["attempts"][-1]["workers"]
+    after = train_api_run(dashboard, token, NAME)
+    return {"output": output, "returncode": run.returncode, "run_dir": run_dir, "during": during, "after": after}
+
+
+@pytest.mark.ray
+def test_a_sigkilled_worker_is_replaced_and_training_resumes(killed_run):
+    assert killed_run["returncode"] == 0, killed_run["output"][-3000:]
+    run_dir = killed_run["run_dir"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == 1, summary
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]  # every epoch exactly once
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    # every 10th of the 3 x 32 optimizer steps exactly once, the restart's included (--log-every-steps 10)
+    assert [(r["step"], r["epoch"]) for r in steps] == [(s, (s - 1) // 32 + 1) for s in range(10, 97, 10)]
+    assert summary["replicas_identical"]
+    assert summary["final_metrics"]["val_accuracy"] > 0.8  # as an uninterrupted run of this size (0.9+; chance 0.1)
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(
+    CHROMIUM is None and os.environ.get("CI") != "true",  # in CI a missing browser fails
+    reason="needs Debian's chromium (apt-get install chromium)",
+)
+def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, killed_run, tmp_path):
+    dashboard, token, output = ray_head["dashboard"], ray_head["token"], killed_run["output"]
+    assert killed_run["returncode"] == 0, output[-3000:]
+    workers = killed_run["during"]["attempts"][-1]["workers"]
     assert sorted(w["world_rank"] for w in workers) == [0, 1]
     assert all(w["node_ip"] and w["node_id"] for w in workers)
     assert f"Ray dashboard: {dashboard} (log in with the token: the contents of {ray_head['token_path']})" in output
@@ -157,7 +188,7 @@ def test_dashboard_lists_the_run_and_a_browser_shows_it(ray_head, tmp_path):
     assert token not in output
     assert "restarted the workers from the latest checkpoint (restart 1)" in output, output[-3000:]
 
-    after = train_api_run(dashboard, token, NAME)
+    after = killed_run["after"]
     assert after is not None, dashboard_get(dashboard + TRAIN_RUNS_API, token)
     assert after["status"] == "FINISHED", after
     statuses = [attempt["status"] for attempt in after["attempts"]]
@@ -199,25 +230,6 @@ def test_a_private_file_is_created_exclusively_never_through_a_link(tmp_path):
     assert stat.S_IMODE(made.stat().st_mode) == 0o600 and made.read_text() == "secret"
     with pytest.raises(FileExistsError):
         create_private(made, "another")
-
-
-@pytest.mark.ray
-def test_a_local_ray_is_private(ray_address):
-    """The session's Ray, started as the command starts one: its token file is new, 0600 in a 0700 directory
-    of its own (not ~/.ray/auth_token, 0644 and kept for ever), and its GCS and raylet were started with it;
-    every listener of the Ray processes it started is on loopback (not 0.0.0.0 or ::)."""
-    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
-    assert token.parent.parent == Path.home() / ".raytrain", token
-    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
-    started_with = f"RAY_AUTH_TOKEN_PATH={token}".encode()
-    for program in (b"gcs_server", b"raylet"):
-        assert any(started_with in _environment(pid) for pid in processes_with(program)), program
-    # the Ray processes this one started (its own sockets include other tests', a torch TCPStore's)
-    listening = [found for found in listening_addresses(os.getpid()) if found[2] != os.getpid()]
-    programs = {Path(_command(pid)[0]).name for _, _, pid in listening}
-    assert {"gcs_server", "raylet"} <= programs, listening  # the GCS, the raylet and its object manager...
-    open_to_all = [(address, port, _command(pid)) for address, port, pid in listening if not _loopback(address)]
-    assert not open_to_all, open_to_all  # ...the workers' gRPC servers, the agents: loopback only
 
 
 def test_a_ray_on_loopback_only_is_told_from_one_on_every_interface():

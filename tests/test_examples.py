@@ -29,6 +29,10 @@ def test_custom_plugins_example(ray_address, tmp_path):
     summary = json.loads((tmp_path / "runs" / "plugins-example" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["epochs_completed"] == 2
     assert summary["final_metrics"]["val_accuracy"] > 0.6  # 4 quadrant classes: chance is 0.25
+    assert summary["final_metrics"]["samples_per_rank"] == [512, 512]  # the plug-in data, sharded by the project
+    config = (tmp_path / "runs" / "plugins-example" / "config.toml").read_text()
+    for line in ('model = "custom_plugins:build_model"', 'loss = "custom_plugins:smoothed_cross_entropy"'):
+        assert line in config, config
 
 
 def test_fsdp_transformer_example(ray_address, tmp_path):

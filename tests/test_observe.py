@@ -1,4 +1,4 @@
-"""Seeing the run: progress during an epoch, and a slowed rank flagged as a straggler."""
+"""Seeing the run: progress during an epoch, and a slowed rank flagged as a straggler with its cause."""
 
 from __future__ import annotations
 
@@ -10,15 +10,19 @@ import pytest
 pytestmark = pytest.mark.ray
 
 
-def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, tmp_path, monkeypatch):
+def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arrives_mid_epoch(
+    ray_address, tmp_path, monkeypatch
+):
+    """A straggler is named with what holds it up: rank 1 waits for its data in epoch 1 (its data wait is
+    long), then computes slower in epoch 2 (rank 0 waits for it inside the gradient all-reduce)."""
     from raytrain_ddp import TrainConfig, fit
 
-    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowData")
-    monkeypatch.setenv("RAYTRAIN_TEST_SLOW_DATA", "1:0.4")  # rank 1 waits 0.4 s for every batch
+    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowDataThenCompute")
+    monkeypatch.setenv("RAYTRAIN_TEST_SLOW_RANK", "1:0.4:0.1")  # per batch of epoch 1, per micro-batch of epoch 2
     result = fit(
         TrainConfig(
             num_workers=2,
-            epochs=1,
+            epochs=2,
             dataset="synthetic-tabular",
             model="mlp",
             train_size=2000,
@@ -28,29 +32,33 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
             name="slow",
             report=False,
             tensorboard=False,
-            profile_steps="19:22",  # the run has 20 optimizer steps: the window is cut by its end
+            profile_steps="39:42",  # the run has 40 optimizer steps: the window is cut by its end
         )
     )
     assert result.ok, result.summary["error"]
-    epoch = result.epochs[0]
-    wait0, wait1 = epoch["data_wait_seconds_per_rank"]
+    in_data, in_compute = result.epochs
+    wait0, wait1 = in_data["data_wait_seconds_per_rank"]
     assert wait1 > 7 and wait0 < wait1 / 2  # 20 batches x 0.4 s on rank 1 only
-    assert [s["rank"] for s in epoch["stragglers"]] == [1]
-    assert "input pipeline is the bottleneck" in epoch["stragglers"][0]["why"]
+    assert [s["rank"] for s in in_data["stragglers"]] == [1], in_data["stragglers"]
+    assert "input pipeline is the bottleneck" in in_data["stragglers"][0]["why"]
+    wait0, wait1 = in_compute["allreduce_wait_seconds_per_rank"]
+    assert wait0 > wait1  # rank 0 waits for rank 1 at every step
+    assert [s["rank"] for s in in_compute["stragglers"]] == [1], in_compute["stragglers"]
+    assert "its compute is the bottleneck" in in_compute["stragglers"][0]["why"]
 
     # driver.log: progress lines with step counts below the epoch's 20 come before the epoch's table row
     log_lines = (result.run_dir / "driver.log").read_text().splitlines()
     row = next(i for i, line in enumerate(log_lines) if re.search(r"INFO raytrain_ddp:\s+1\s", line))
-    progress = [line for line in log_lines[:row] if "raytrain_ddp.progress: epoch 1/1: step" in line]
+    progress = [line for line in log_lines[:row] if "raytrain_ddp.progress: epoch 1/2: step" in line]
     assert progress, "no progress line during the epoch"
     steps = [int(re.search(r"step (\d+)/20", line).group(1)) for line in progress]
     assert min(steps) < 20 and "samples/s" in progress[0]
-    assert "straggler" in "\n".join(log_lines)
-    cut = [line for line in log_lines if "--profile-steps 19:22" in line]
-    assert len(cut) == 1 and "WARNING" in cut[0] and "ended after 20 optimizer steps" in cut[0] and "19-20" in cut[0]
+    assert "rank 1 is a straggler: all-reduce wait" in "\n".join(log_lines)
+    cut = [line for line in log_lines if "--profile-steps 39:42" in line]
+    assert len(cut) == 1 and "WARNING" in cut[0] and "ended after 40 optimizer steps" in cut[0] and "39-40" in cut[0]
     for rank in (0, 1):  # what the window held was written when the loop ended
         table = json.loads((result.run_dir / "profile" / f"rank-{rank}.top_ops.json").read_text())
-        assert table["steps"] == [19, 20] and table["ops"]
+        assert table["steps"] == [39, 40] and table["ops"]
 
     # Ray's own logs stay off the console but are linked from the run directory; worker lines say who wrote them
     ray_logs = result.run_dir / "ray-logs"
@@ -61,10 +69,12 @@ def test_slowed_rank_is_a_straggler_and_progress_arrives_mid_epoch(ray_address, 
     assert "[rank 1 on " in worker_lines and "training on cpu from epoch 1" in worker_lines
 
 
-def test_mlflow_file_store_gets_params_and_metrics(trained_run):
+def test_mlflow_file_store_gets_params_and_metrics(trained_run, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    uri = f"file://{trained_run.parent}/mlruns"  # the session's shared run logs there (conftest.trained_run)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when asked
+
+    uri = f"file://{trained_run.parent}/mlruns"  # the session's shared run logs there (conftest.shared_run)
     client = MlflowClient(tracking_uri=uri)
     run = client.search_runs([client.get_experiment_by_name("raytrain-ddp").experiment_id])[0]
     assert run.info.run_name == "shared" and run.info.status == "FINISHED"
@@ -81,7 +91,7 @@ def test_mlflow_file_store_gets_params_and_metrics(trained_run):
 def test_wandb_offline_run_holds_the_config_history_by_step_and_epoch_and_the_summary(trained_run):
     from support import wandb_offline_runs
 
-    (run,) = wandb_offline_runs(trained_run)  # conftest.trained_run: WANDB_MODE=offline, in RUN_DIR/wandb/
+    (run,) = wandb_offline_runs(trained_run)  # conftest.shared_run: WANDB_MODE=offline, in RUN_DIR/wandb/
     (header,) = run["run"]
     assert (header["display_name"], header["project"]) == ("shared", "raytrain-tests")
     assert header["run_id"] == (trained_run / "wandb-run-id").read_text().strip()
@@ -108,19 +118,21 @@ def test_wandb_offline_run_holds_the_config_history_by_step_and_epoch_and_the_su
 def test_steps_jsonl_records_every_4th_step_and_its_windows_make_up_the_epochs(trained_run):
     steps = [json.loads(line) for line in (trained_run / "steps.jsonl").read_text().splitlines()]
     epochs = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["epoch"], r["world_size"]) for r in steps] == [(4, 1, 2), (8, 1, 2), (12, 2, 2), (16, 2, 2)]
+    assert [(r["step"], r["epoch"], r["world_size"]) for r in steps] == [
+        (s, (s - 1) // 32 + 1, 2) for s in range(4, 65, 4)
+    ]
     for record in steps:
         assert record["train_loss_min"] <= record["train_loss"] <= record["train_loss_max"]
         assert record["lr"] > 0 and record["samples_per_second"] > 0 and record["seconds"] > 0
-    for epoch in epochs:  # each epoch's 8 steps are two windows of 4, equal in samples: their mean is the epoch's
+    for epoch in epochs:  # each epoch's 32 steps are 8 windows of 4, equal in samples: their mean is the epoch's
         windows = [r for r in steps if r["epoch"] == epoch["epoch"]]
-        assert epoch["train_loss"] == pytest.approx(sum(r["train_loss"] for r in windows) / 2, rel=1e-5)
+        assert epoch["train_loss"] == pytest.approx(sum(r["train_loss"] for r in windows) / 8, rel=1e-5)
         for rank, loss in enumerate(epoch["train_loss_per_rank"]):
-            assert loss == pytest.approx(sum(r["train_loss_per_rank"][rank] for r in windows) / 2, rel=1e-5)
+            assert loss == pytest.approx(sum(r["train_loss_per_rank"][rank] for r in windows) / 8, rel=1e-5)
 
 
 def test_profile_steps_leave_a_trace_and_a_top_ops_table_per_rank(trained_run):
-    """conftest.trained_run profiles steps 3:4 (of 16): every rank's Chrome trace holds those two steps' markers."""
+    """conftest.shared_run profiles steps 3:4 (of 64): every rank's Chrome trace holds those two steps' markers."""
     for rank in (0, 1):
         trace = json.loads((trained_run / "profile" / f"rank-{rank}.trace.json").read_text())
         names = {event.get("name") for event in trace["traceEvents"]}

@@ -10,7 +10,6 @@ from support import run_cli
 pytestmark = pytest.mark.ray
 
 PLUGIN_MODULE = """
-import numpy as np
 import ray.data
 import torch.nn.functional as F
 from torch import nn
@@ -27,19 +26,6 @@ class Tiny(nn.Module):  # defined here: the workers must import this module to b
 
 def build(config):
     return Tiny()
-
-
-def _rows(batch):
-    rng = np.random.default_rng(int(batch["id"][0]))
-    x = rng.standard_normal((len(batch["id"]), 8)).astype(np.float32)
-    return {"id": batch["id"], "x": x, "y": (x.sum(1) > 0).astype(np.int64)}
-
-
-def data(config):
-    def split(first, rows):
-        return ray.data.range(rows, override_num_blocks=2).map_batches(
-            lambda b: {"id": b["id"] + first}).map_batches(_rows)
-    return {"train": split(0, config.train_size), "val": split(config.train_size, config.val_size)}
 
 
 def offset_loss(outputs, targets):
@@ -59,41 +45,6 @@ def data_without_y(config):
 def plugin_dir(tmp_path):
     (tmp_path / "myplugins.py").write_text(PLUGIN_MODULE)
     return tmp_path
-
-
-def test_model_dataset_and_loss_by_import_path(ray_address, plugin_dir, tmp_path):
-    result = run_cli(
-        "raytrain_ddp.run",
-        "--address",
-        ray_address,
-        "--storage-path",
-        str(tmp_path / "runs"),
-        "--name",
-        "plugged",
-        "--model",
-        "myplugins:build",
-        "--dataset",
-        "myplugins:data",
-        "--loss",
-        "myplugins:offset_loss",
-        "--epochs",
-        "2",
-        "--train-size",
-        "1024",
-        "--val-size",
-        "256",
-        "--lr",
-        "0.1",
-        "--no-report",
-        env={"PYTHONPATH": str(plugin_dir)},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "runs" / "plugged" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [1, 2]
-    assert all(r["train_loss"] > 10 and r["val_loss"] > 10 for r in records)  # the plug-in loss ran
-    assert records[-1]["val_accuracy"] > 0.8  # the plug-in model learned the plug-in data
-    assert records[-1]["samples_per_rank"] == [512, 512]  # still sharded by the project
-    assert 'model = "myplugins:build"' in (tmp_path / "runs" / "plugged" / "config.toml").read_text()
 
 
 @pytest.mark.parametrize(
@@ -128,14 +79,17 @@ def test_dataset_plugin_errors_are_one_line(ray_address, plugin_dir, tmp_path, d
     assert not (tmp_path / "runs" / "bad").exists()
 
 
-def test_python_api_takes_callables(ray_address, tmp_path):
-    """fit(config, model_fn=..., dataset_fn=..., loss_fn=...): closures are shipped to the workers by value."""
+def test_python_api_takes_callables_beside_an_import_path(ray_address, plugin_dir, tmp_path, monkeypatch):
+    """fit(config, model_fn=..., dataset_fn=...): closures are shipped to the workers by value; the loss comes by
+    import path, from a module in the test's temp dir that the workers import (the CLI's --model/--dataset/--loss
+    import paths: examples/custom_plugins.py in test_examples)."""
     import numpy as np
     import ray.data
-    import torch.nn.functional as F
     from torch import nn
 
     from raytrain_ddp import TrainConfig, fit
+
+    monkeypatch.syspath_prepend(str(plugin_dir))  # as a notebook beside its module has it
 
     def dataset_fn(config):
         def rows(batch):
@@ -144,24 +98,27 @@ def test_python_api_takes_callables(ray_address, tmp_path):
 
         return {"train": ray.data.range(512).map_batches(rows), "val": ray.data.range(128).map_batches(rows)}
 
-    def loss_fn(outputs, targets):
-        return F.cross_entropy(outputs, targets, label_smoothing=0.05)
-
-    config = TrainConfig(num_workers=2, epochs=2, storage_path=str(tmp_path), name="api", report=False, lr=0.1)
-    result = fit(config, model_fn=lambda config: nn.Linear(4, 2), dataset_fn=dataset_fn, loss_fn=loss_fn)
+    settings = dict(num_workers=2, storage_path=str(tmp_path), name="api", report=False, lr=0.1)
+    config = TrainConfig(epochs=2, loss="myplugins:offset_loss", **settings)
+    result = fit(config, model_fn=lambda config: nn.Linear(4, 2), dataset_fn=dataset_fn)
     assert result.ok, result.summary["error"]
-    assert result.final_metrics["val_accuracy"] > 0.9
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert all(r["train_loss"] > 10 and r["val_loss"] > 10 for r in records)  # the plug-in loss ran
+    assert records[-1]["val_accuracy"] > 0.9  # the closure's model learned the closure's data
+    assert records[-1]["samples_per_rank"] == [256, 256]  # still sharded by the project
     assert result.summary["replicas_identical"]
-    assert "test_python_api_takes_callables.<locals>.<lambda>" in config.model
+    assert "test_python_api_takes_callables_beside_an_import_path.<locals>.<lambda>" in config.model
+    assert 'loss = "myplugins:offset_loss"' in (result.run_dir / "config.toml").read_text()
 
     # continued with a model whose code changed since (its tensors have other shapes): one line before any
     # worker starts, and the run as it was
     from raytrain_ddp.errors import ConfigError
 
     before = (result.run_dir / "metrics.jsonl").read_text()
-    more = TrainConfig(num_workers=2, epochs=3, storage_path=str(tmp_path), name="api", report=False, lr=0.1)
+    more = TrainConfig(epochs=3, loss="myplugins:offset_loss", **settings)
     with pytest.raises(ConfigError) as refused:
-        fit(more, model_fn=lambda config: nn.Linear(4, 3), dataset_fn=dataset_fn, loss_fn=loss_fn)
+        fit(more, model_fn=lambda config: nn.Linear(4, 3), dataset_fn=dataset_fn)
     assert str(refused.value).startswith(f"run 'api''s latest checkpoint {result.run_dir}/checkpoint_"), refused
     assert str(refused.value).endswith(
         " holds another model than this run's (weight is [2, 4] there, [3, 4] here, bias is [2] there, [3] here); "

@@ -1,4 +1,4 @@
-"""The run report and TensorBoard log, made from the session's real short run (conftest.trained_run).
+"""The run report and TensorBoard log, made from the session's real short run (conftest.shared_run).
 
 The page is checked the way a person sees it: headless Chromium renders it,
 dumps its DOM and takes a screenshot. Without Chromium that test is skipped,
@@ -105,7 +105,7 @@ def test_page_is_self_contained_and_complete(report, trained_run):
     assert "2 of 2 completed" in text and "finished" in text
     assert summary["best_checkpoint"] in text
     assert summary["workers"][0]["hostname"] in text and summary["param_checksums"][0] in text
-    assert "train_size" in text and "1024" in text  # the configuration table
+    assert "train_size" in text and "4096" in text  # the configuration table
 
 
 def test_profile_section_lists_each_ranks_top_operators(report, trained_run):

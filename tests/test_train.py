@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import run_cli, run_python_file
+from support import SHARED_EPOCHS, SHARED_TRAIN_ROWS, SHARED_VAL_ROWS, run_cli, run_python_file, shared_run_args
 
 from raytrain_ddp import _ray_compat
 
@@ -43,21 +43,6 @@ EPOCH_KEYS = {
 }
 
 
-# The CLI run below trains on less data than the built-in default (8192/2048 rows, 5 epochs: ~45 s more here);
-# test_cli_defaults pins those defaults.
-EPOCHS, TRAIN_ROWS, VAL_ROWS = 2, 4096, 1024
-DEFAULT_RUN_ARGS = (
-    "--name",
-    "default",
-    "--epochs",
-    str(EPOCHS),
-    "--train-size",
-    str(TRAIN_ROWS),
-    "--val-size",
-    str(VAL_ROWS),
-)
-
-
 def test_cli_defaults():
     from raytrain_ddp.run import config_from_args
 
@@ -67,15 +52,9 @@ def test_cli_defaults():
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """`python -m raytrain_ddp.run` with the built-in defaults but the sizes: its own local Ray, dashboard on."""
-    storage = tmp_path_factory.mktemp("runs")
-    # not the session Ray's token (this process's environment holds it): the one the command makes for its own
-    result = run_cli(
-        "raytrain_ddp.run", "--storage-path", str(storage), *DEFAULT_RUN_ARGS, env={"RAY_AUTH_TOKEN_PATH": ""}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = storage / "default"
+def default_run(shared_run):
+    """conftest.shared_run: `python -m raytrain_ddp.run` with the built-in defaults but the sizes."""
+    result, run_dir = shared_run
     summary = json.loads((run_dir / "summary.json").read_text())
     epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return result, run_dir, summary, epochs
@@ -95,7 +74,7 @@ def test_console_says_dashboard_global_batch_and_table(default_run):
 
 def test_default_run_learns(default_run):
     *_, summary, epochs = default_run
-    assert summary["status"] == "finished" and summary["epochs_completed"] == EPOCHS
+    assert summary["status"] == "finished" and summary["epochs_completed"] == SHARED_EPOCHS
     assert epochs[0]["train_loss"] > epochs[-1]["train_loss"]
     assert summary["final_metrics"]["val_accuracy"] >= 0.8  # chance is 0.1
 
@@ -120,14 +99,14 @@ def test_replicas_are_bit_identical(default_run):
 
 def test_every_epoch_has_the_cross_rank_picture(default_run):
     *_, epochs = default_run
-    assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
+    assert [e["epoch"] for e in epochs] == list(range(1, SHARED_EPOCHS + 1))
     for e in epochs:
         assert EPOCH_KEYS <= e.keys()
         assert e["train_loss_min"] <= e["train_loss"] <= e["train_loss_max"]
         assert len(set(e["val_accuracy_per_rank"])) == 1 and len(set(e["val_loss_per_rank"])) == 1
         # equal shards, together the whole training set (split evenly)
-        assert e["samples_per_rank"] == [TRAIN_ROWS // 2, TRAIN_ROWS // 2]
-        assert e["val_rows"] == VAL_ROWS  # every validation row exactly once
+        assert e["samples_per_rank"] == [SHARED_TRAIN_ROWS // 2, SHARED_TRAIN_ROWS // 2]
+        assert e["val_rows"] == SHARED_VAL_ROWS  # every validation row exactly once
 
 
 def test_run_directory_holds_config_and_best_checkpoint(default_run):
@@ -144,60 +123,34 @@ def test_evaluate_reproduces_recorded_accuracy(default_run):
     result = run_cli("raytrain_ddp.evaluate", summary["best_checkpoint"], "--json", timeout=120)
     assert result.returncode == 0, result.stderr
     scored = json.loads(result.stdout)
-    assert scored["val_rows"] == VAL_ROWS
-    assert abs(scored["val_accuracy"] - scored["recorded"]["val_accuracy"]) <= 1 / VAL_ROWS
+    assert scored["val_rows"] == SHARED_VAL_ROWS
+    assert abs(scored["val_accuracy"] - scored["recorded"]["val_accuracy"]) <= 1 / SHARED_VAL_ROWS
     assert scored["val_loss"] == pytest.approx(scored["recorded"]["val_loss"], rel=1e-4)
 
 
 def test_finished_run_is_not_retrained(default_run, ray_address):
     _, run_dir, *_ = default_run
-    result = run_cli(
-        "raytrain_ddp.run",
-        "--address",
-        ray_address,
-        "--storage-path",
-        str(run_dir.parent),
-        *DEFAULT_RUN_ARGS,
-        timeout=120,
-    )
+    result = run_cli("raytrain_ddp.run", "--address", ray_address, *shared_run_args(run_dir.parent), timeout=120)
     assert result.returncode == 2
     assert "already finished" in result.stderr and "choose a new --name" in result.stderr
 
 
-def test_python_api_elastic_start_on_uneven_data(ray_address, tmp_path):
+def test_python_api_elastic_start_on_uneven_data(elastic_run):
     """fit() from Python on the shared Ray. --min-workers: 4 asked, 2 fit beside the data-loading CPU: it trains
     with 2 and says so; --scale-lr scales for the 2 that train, not the 4 asked for. Train rows that do not split
     evenly, an odd-sized val split."""
-    from raytrain_ddp import TrainConfig, fit
-
-    result = fit(
-        TrainConfig(
-            num_workers=4,
-            min_workers=1,
-            scale_lr=True,
-            epochs=2,
-            dataset="synthetic-tabular",
-            model="mlp",
-            train_size=1001,
-            val_size=301,
-            batch_size=50,
-            storage_path=str(tmp_path),
-            name="api",
-            report=False,
-            tensorboard=False,
-        )
-    )
+    result, _ = elastic_run
     assert result.ok, result.summary["error"]
     # Ray Train's controller polled its workers every 0.5 s, not Ray's 2 s (each state change waits for a poll)
     assert os.environ[_ray_compat.HEALTH_CHECK_INTERVAL_ENV] == "0.5"
     log = (result.run_dir / "driver.log").read_text()
     assert "Only 2 of the 4 workers asked for fit the cluster: starting with 2 (--min-workers 1)" in log
-    assert "Global batch = 50 per worker x 2 workers = 100" in log
+    assert "Global batch = 8 per worker x 2 workers = 16" in log
     assert "Learning rate scaled linearly with the global batch: 0.02 x 2 = 0.04" in log
-    assert result.summary["world_size"] == 2 and result.summary["global_batch_size"] == 100
+    assert result.summary["world_size"] == 2 and result.summary["global_batch_size"] == 16
     for epoch in result.epochs:
-        assert epoch["samples_per_rank"] == [500, 500]  # equal shards: one row left out this epoch
-        assert epoch["steps_per_rank"] == [10, 10]  # same step count on every rank: no DDP hang
+        assert epoch["samples_per_rank"] == [1040, 1040]  # equal shards: one row left out this epoch
+        assert epoch["steps_per_rank"] == [130, 130]  # same step count on every rank: no DDP hang
         assert epoch["val_rows"] == 301  # validation is exact, even when uneven across ranks
         assert epoch["lr"] == pytest.approx(0.04), epoch
     assert result.summary["replicas_identical"]

@@ -47,16 +47,26 @@ class SlowData(WorkerHooks):
             time.sleep(self.seconds)
 
 
-class SlowCompute(WorkerHooks):
-    """RAYTRAIN_TEST_SLOW_COMPUTE=rank:seconds: that rank spends this long more on every micro-batch."""
+class SlowDataThenCompute(WorkerHooks):
+    """RAYTRAIN_TEST_SLOW_RANK=rank:data_seconds:compute_seconds: in epoch 1 that rank waits `data_seconds` for
+    every training batch (its input pipeline is the bottleneck); from epoch 2 on it spends `compute_seconds`
+    more on every micro-batch instead (its compute is)."""
 
     def __init__(self) -> None:
-        rank, self.seconds = _numbers("RAYTRAIN_TEST_SLOW_COMPUTE")
+        rank, self.data_seconds, self.compute_seconds = _numbers("RAYTRAIN_TEST_SLOW_RANK")
         self.rank = int(rank)
+        self.epoch = 1  # of the next fetch: the loop fetches a batch ahead, so micro-batches cannot tell it
+
+    def on_fetch(self, rank: int) -> None:
+        if rank == self.rank and self.epoch == 1:
+            time.sleep(self.data_seconds)
 
     def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
-        if rank == self.rank:
-            time.sleep(self.seconds)
+        if rank == self.rank and epoch >= 2:
+            time.sleep(self.compute_seconds)
+
+    def on_validation_batch(self, rank: int, epoch: int, batch: int) -> None:
+        self.epoch = epoch + 1  # validation ends a training epoch
 
 
 class DieOnce(WorkerHooks):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes, wait_for_line
 from support import train_api_run
+from test_data_prepare import write_fake_cifar10  # the converter tests' CIFAR-10 layout
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.slurm
 
 # Two 3-CPU nodes (all the testbed has), no GPUs: one CPU training worker per node.
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=3", "--gpus-per-node=0", "--time=30"]
+ONE_NODE = ["--nodes=1", *TWO_NODES[1:]]  # both workers on it, where a second node would only add its Ray start
 SMALL_RUN = ["--epochs", "1", "--train-size", "512", "--val-size", "256"]
 TOKEN_RE = re.compile(r"\b[0-9a-f]{64}\b")  # the per-job token is 32 random bytes in hex
 
@@ -43,8 +45,8 @@ def assert_no_leftovers(job: Job, timeout: float = 30) -> None:
     assert not (Path.home() / ".raytrain" / f"job-{job.job_id}").exists(), "per-job token dir not removed"
 
 
-def _run_in_train_api(job_log: Path, job_id: int) -> dict | None:
-    """The job's run as its dashboard's Train API lists it; None before (or no dashboard yet).
+def _run_in_train_api(job_log: Path, job_id: int, name: str) -> dict | None:
+    """The job's run NAME as its dashboard's Train API lists it; None before (or no dashboard yet).
 
     Read as a user would: the dashboard port from the job log, the token from the file the log names."""
     ports = re.search(r"ports: gcs \d+, dashboard (\d+)", job_log.read_text() if job_log.exists() else "")
@@ -52,9 +54,7 @@ def _run_in_train_api(job_log: Path, job_id: int) -> dict | None:
     if not ports or not token_file.exists():
         return None
     try:
-        return train_api_run(
-            f"http://198.18.0.11:{ports.group(1)}", token_file.read_text().strip(), f"raytrain-{job_id}"
-        )
+        return train_api_run(f"http://198.18.0.11:{ports.group(1)}", token_file.read_text().strip(), name)
     except OSError:  # the token file went with the job's end
         return None
 
@@ -154,11 +154,27 @@ def test_a_temp_dir_planted_by_someone_else_is_refused_in_one_line(testbed: Test
     assert_no_leftovers(job)
 
 
-def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed) -> None:
-    """A 2-node training run, one worker per node, on shared storage; its derived Ray port is taken on
-    the head node, so it moves to the next free block (one job for both: a Ray bring-up costs ~30 s)."""
-    wd = testbed.workdir("train")
-    job_id = testbed.submit(wd, ["--hold", *TWO_NODES], SMALL_RUN)
+def test_the_cifar10_example_prepares_and_trains_on_two_nodes_after_a_port_collision(testbed: Testbed) -> None:
+    """examples/cifar10_resnet_slurm.sh end to end (a tiny fake CIFAR-10 copy): it prepares the data and submits a
+    2-node training run, one worker per node, on shared storage. The job's derived Ray port is taken on the head
+    node, so it moves to the next free block; the dashboard's Train API lists the run while it trains. (One job
+    for all of it: a Ray bring-up on two nodes costs ~30 s.)"""
+    wd = testbed.workdir("cifar-example")
+    write_fake_cifar10(wd / "cifar-10-batches-py", per_batch=16)
+    log_path = wd / "job.out"
+    sbatch = f"--parsable --hold --output={log_path} {' '.join(TWO_NODES)}"
+    submitted = subprocess.run(
+        [str(REPO / "examples" / "cifar10_resnet_slurm.sh"), str(wd / "cifar-10-batches-py"), str(wd / "cifar10")]
+        + ["--epochs", "1", "--precision", "fp32", "--name", "cifar-example"],
+        cwd=wd,
+        env=testbed.env(SBATCH_ARGS=sbatch),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert submitted.returncode == 0, f"{submitted.stdout}\n{submitted.stderr}"
+    assert re.search(r"^train\s+80\s", submitted.stdout, re.M), submitted.stdout  # `inspect` of the prepared data
+    job_id = int(submitted.stdout.strip().splitlines()[-1].split(";")[0])
     port = derived_port(job_id)
     # Occupy the derived GCS port on rtnode1 (the head) from inside its namespace.
     squatter = subprocess.Popen(
@@ -183,7 +199,7 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
         seen_in_train_api, statuses_seen = None, []
         while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
             assert time.monotonic() - t0 < 900, "job did not finish"
-            listed = _run_in_train_api(wd / "job.out", job_id)
+            listed = _run_in_train_api(log_path, job_id, "cifar-example")
             if listed and (not statuses_seen or statuses_seen[-1] != listed["status"]):
                 statuses_seen.append(listed["status"])
             if listed and listed["status"] == "RUNNING" and listed["attempts"] and listed["attempts"][-1]["workers"]:
@@ -193,25 +209,26 @@ def test_train_two_nodes_one_worker_each_after_a_port_collision(testbed: Testbed
     finally:
         squatter.kill()
         squatter.wait()
-    log = (wd / "job.out").read_text()
+    log = log_path.read_text()
     job = Job(job_id, 0, log, time.monotonic() - t0, wd)
     assert f"derived port block {port} was busy" in log, show(job)
     m = re.search(r"ports: gcs (\d+)", log)
     assert m and int(m.group(1)) != port, show(job)
     assert re.search(rf"trainer: .* --address 198\.18\.0\.11:{m.group(1)} ", log), show(job)  # the moved port
+    assert "--scale-lr" in log and "resnet18" in log, show(job)  # the example's settings reached the trainer
     assert "all 2 node(s) joined" in log, show(job)
     assert re.search(r"ssh -N -L 8265:198\.18\.0\.11:\d+ ", log), "ssh tunnel command missing"
     assert "auth_token" in log and not TOKEN_RE.search(log), "token file must be named, the token never printed"
     assert "trainer exited with code 0" in log, show(job)
 
-    run_dir = wd / "runs" / f"raytrain-{job_id}"
+    run_dir = wd / "runs" / "cifar-example"
     assert f"run directory: {run_dir}" in log, show(job)
     assert seen_in_train_api, f"never RUNNING with workers in {TRAIN_RUNS_API} (seen: {statuses_seen}); " + show(job)
     workers = seen_in_train_api["attempts"][-1]["workers"]
     assert sorted(w["world_rank"] for w in workers) == [0, 1], seen_in_train_api
     assert len({w["node_ip"] for w in workers}) == 2, f"the Train API's workers share a node: {workers}"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "finished", summary
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 1, summary
     assert summary["world_size"] == 2, summary
     workers = summary["workers"]
     assert len({w["node_ip"] for w in workers}) == 2, f"workers share a node: {workers}"
@@ -241,41 +258,27 @@ def _cancel_and_wait(job_id: int, wd: Path, t0: float) -> Job:
     return Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
 
 
-def test_usr1_forwarded_and_scancel_cleans_up(testbed: Testbed) -> None:
-    """USR1 (the pre-timeout warning) reaches the trainer; scancel stops
-    every Ray process of the job on every node."""
-    wd = testbed.workdir("cancel")
-    job_id = testbed.submit(wd, TWO_NODES, ["--hold-seconds", "600"], RAYTRAIN_MODULE="ray_probe")
-    t0, log_path = time.monotonic(), wd / "job.out"
-    try:
-        wait_for_line(log_path, "probe: holding", t0, 300, "probe never started")
-        assert job_processes(job_id), "Ray processes of the running job should be visible"
-        subprocess.run(["scancel", "--batch", "--signal=USR1", str(job_id)], check=True, timeout=30)
-        _wait_for_usr1(wd / "runs" / f"raytrain-{job_id}", log_path, 30, "USR1 was not forwarded to the trainer")
-    finally:
-        job = _cancel_and_wait(job_id, wd, t0)
-    assert "forwarding to the trainer" in job.log, show(job)
-    assert_no_leftovers(job, timeout=40)
-
-
-def test_the_launcher_stops_the_trainer_ahead_of_the_time_limit_when_no_usr1_comes(testbed: Testbed) -> None:
+def test_the_launcher_stops_the_trainer_ahead_of_the_time_limit_and_scancel_cleans_up(testbed: Testbed) -> None:
     """Slurm 22.05 (the testbed's) sets no SLURM_JOB_END_TIME: the launcher reads the job's end time from
-    squeue and, RAYTRAIN_STOP_BEFORE_END_S before it, sends the trainer the USR1 that Slurm's own warning (here
-    5 s before the 3-minute limit) would send too late."""
+    squeue and, RAYTRAIN_STOP_BEFORE_END_S before it, forwards to the running trainer the USR1 that Slurm's own
+    warning (here 5 s before the 3-minute limit) would send too late; scancel then stops every Ray process of
+    the job on both nodes."""
     wd = testbed.workdir("end-time")
-    one_node = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=3", "--gpus-per-node=0"]
-    sbatch_args = [*one_node, "--time=3", "--signal=B:USR1@5"]
-    env = {"RAYTRAIN_MODULE": "ray_probe", "RAYTRAIN_STOP_BEFORE_END_S": "150"}
+    sbatch_args = [*(arg for arg in TWO_NODES if not arg.startswith("--time")), "--time=3", "--signal=B:USR1@5"]
+    env = {"RAYTRAIN_MODULE": "ray_probe", "RAYTRAIN_STOP_BEFORE_END_S": "120"}
     job_id = testbed.submit(wd, sbatch_args, ["--hold-seconds", "600"], **env)
     t0, log_path = time.monotonic(), wd / "job.out"
     try:
         wait_for_line(log_path, "probe: holding", t0, 120, "probe never started")
-        # the stop comes 30 s into the job; Slurm's USR1 only at 175 s
-        _wait_for_usr1(wd / "runs" / f"raytrain-{job_id}", log_path, 90, "no stop ahead of the time limit")
+        assert job_processes(job_id), "Ray processes of the running job should be visible"
+        # the stop comes 60 s into the job, to the trainer running by then; Slurm's USR1 only at 175 s
+        _wait_for_usr1(wd / "runs" / f"raytrain-{job_id}", log_path, 120, "no stop ahead of the time limit")
     finally:
         job = _cancel_and_wait(job_id, wd, t0)
-    assert "the time limit is 150s away and no USR1 came" in job.log, job.log
-    assert "got USR1" not in job.log.split("the time limit is 150s away")[0], job.log  # not Slurm's own warning
+    assert "the time limit is 120s away and no USR1 came" in job.log, show(job)
+    before, _, after = job.log.partition("the time limit is 120s away")
+    assert "got USR1" not in before, show(job)  # not Slurm's own warning
+    assert "forwarding to the trainer" in after, show(job)
     assert_no_leftovers(job, timeout=40)
 
 
@@ -295,7 +298,7 @@ def test_usr1_while_ray_starts_checkpoints_requeues_and_the_requeued_job_resumes
     wd = testbed.workdir("preempt")
     log_path = wd / "job.out"
     run_args = ["--epochs", str(epochs), "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"]
-    job_id = testbed.submit(wd, TWO_NODES, run_args)
+    job_id = testbed.submit(wd, ONE_NODE, run_args)
     run_dir = wd / "runs" / f"raytrain-{job_id}"
     t0 = time.monotonic()
     try:
