@@ -139,9 +139,17 @@ def measure(args: dict, work: Path) -> dict:
                 victim = _wait("Ray Train worker", lambda: _worker_pids(trainer.pid), 60, trainer)[-1]
                 os.kill(victim, signal.SIGKILL)
                 killed = time.time()
-                last_step = max(step for at, step in _steps(clock) if at < killed)
-                after = _wait("a step", lambda at=killed: [s for s in _steps(clock) if s[0] > at], 900, trainer)
+                before = max(step for at, step in _steps(clock) if at < killed)
+                # the restart's first step comes again at or before `before`: a step in flight when the kill
+                # landed may still end just after it, numbered on
+                after = _wait(
+                    "a step trained again",
+                    lambda at=killed, before=before: [s for s in _steps(clock) if s[0] > at and s[1] <= before],
+                    900,
+                    trainer,
+                )
                 first_at, first_step = after[0]
+                last_step = max(step for at, step in _steps(clock) if at < first_at)  # that step counts too
                 again = last_step - first_step + 1
                 waited = first_at - killed
                 rounds.append(

@@ -210,9 +210,9 @@ def one_process_group():
 
 # `make test` runs the suite in two lanes (pytest-xdist, `-n 2`; one process each, tests in file order):
 # the Slurm testbed's jobs, which mostly wait on the testbed's nodes, with the tests that start no Ray of this
-# process and the examples (on a local Ray of that lane's own: the lanes' CPU evens out), beside the tests on
-# this process's local Ray, which still run one at a time. Each lane sees only its own processes
-# (processes_with).
+# process and the benchmarks (each starts Rays of its own), beside the tests on this process's local Ray, which
+# run one at a time. The split evens out the lanes' wall time (measured: bench/suite_cpu.py). Each lane sees
+# only its own processes (processes_with).
 TESTBED_LANE_FILES = {
     "test_bench.py",  # its own Ray per side and round, for its figures only
     "test_checkpoint_sharded.py",
@@ -222,8 +222,6 @@ TESTBED_LANE_FILES = {
     "test_data_prepare.py",
     "test_data_validate.py",
     "test_docs.py",
-    "test_examples.py",
-    "test_hf_example.py",
     "test_gpu_check.py",
     "test_recorder.py",
     "test_run_directory.py",

@@ -1,4 +1,5 @@
-"""Beyond plain DDP, on 2 CPU workers of a real Ray: FSDP, precision, accumulation, schedules, compile.
+"""Beyond plain DDP, on 2 CPU workers of a real Ray: precision, accumulation, schedules, compile (FSDP:
+test_object_storage and test_flag_matrix).
 
 Every run here is a real `fit()` (or CLI) with real gloo collectives.
 """
@@ -100,68 +101,8 @@ def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step(ray_addres
     assert accumulated.final_metrics["val_loss"] == pytest.approx(whole.final_metrics["val_loss"], rel=1e-4)
 
 
-# ------------------------------------------------------------------ FSDP
-def test_fsdp_trains_the_transformer_and_its_sharded_checkpoint_reshards_and_consolidates(ray_address, tmp_path):
-    """fp32: this CPU has no bf16 units (emulated bf16 is several times slower); bf16 x FSDP runs in the flag
-    matrix (tests/test_flag_matrix.py). FSDP's checkpoints are sharded by default, written in the background."""
-    from raytrain_ddp import fit
-    from raytrain_ddp.evaluate import evaluate_checkpoint
-    from raytrain_ddp.worker.checkpoint import consolidate
-
-    settings = dict(
-        model="transformer",
-        dataset="synthetic-tokens",
-        strategy="fsdp",
-        optimizer="adamw",
-        lr=0.003,
-        train_size=1024,
-        val_size=128,
-        clip_grad_norm=1.0,
-    )
-    result = fit(_config(tmp_path, "fsdp-lm", epochs=2, log_every_steps=4, peak_tflops=2.0, **settings))
-    assert result.ok, result.summary["error"]
-    first, last = result.epochs
-    # Model FLOPs, counted before sharding: each rank's MFU is its achieved TFLOP/s over the peak given
-    for epoch in result.epochs:
-        assert all(tflops > 0 for tflops in epoch["model_tflops_per_second_per_rank"])
-        assert epoch["mfu_per_rank"] == pytest.approx([t / 2.0 for t in epoch["model_tflops_per_second_per_rank"]])
-    assert result.summary["mfu"] == pytest.approx(sum(e["mfu"] for e in result.epochs) / 2)
-    # Clipping computes the global gradient norm (over both ranks' shards): steps.jsonl records it
-    steps = [json.loads(line) for line in (result.run_dir / "steps.jsonl").read_text().splitlines()]
-    assert steps and all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in steps)
-    assert first["train_loss"] < math.log(64)  # below a uniform guess over the vocabulary...
-    assert last["val_loss"] < 0.75 * math.log(64)  # ...and clearly below it after two epochs
-    assert last["val_identical_across_ranks"]
-    assert result.summary["replicas_identical"]
-    # A language model's checkpoints are ranked by validation loss, lowest best (its token accuracy is no goal)
-    assert result.summary["checkpoints_ranked_by"] == "val_loss (min)"
-    assert result.summary["best_metrics"]["val_loss"] == min(first["val_loss"], last["val_loss"])
-
-    # Sharded (the default for FSDP, as config.toml records): each rank wrote its shards, none gathered them;
-    # both epochs' checkpoints counted by Ray Train, the last one waited for before the run ended.
-    assert 'checkpoint_format = "sharded"' in (result.run_dir / "config.toml").read_text()
-    best, latest = Path(result.best_checkpoint), Path(result.summary["latest_checkpoint"])
-    assert len([path for path in result.run_dir.glob("checkpoint_*") if path.is_dir()]) == 2
-    for checkpoint in (best, latest):
-        assert sorted(p.name for p in (checkpoint / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-        assert not (checkpoint / "checkpoint.pt").exists()
-    # A single-process model gives the same numbers, from the shards or from their consolidated file.
-    scored = evaluate_checkpoint(result.best_checkpoint)
-    assert scored["val_loss"] == pytest.approx(last["val_loss"], rel=1e-3)
-    assert scored["val_rows"] == 128
-    consolidated = consolidate(latest, tmp_path / "consolidated")
-    assert evaluate_checkpoint(str(consolidated))["val_loss"] == evaluate_checkpoint(str(latest))["val_loss"]
-
-    # Continue the same run on ONE worker, its latest checkpoint's shard truncated: set aside, the one before
-    # (epoch 1's, written by 2 ranks) reshards onto 1.
-    shard = latest / "shards" / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:1000])
-    resumed = fit(_config(tmp_path, "fsdp-lm", epochs=3, num_workers=1, **settings))
-    assert resumed.ok, resumed.summary["error"]
-    assert (result.run_dir / "corrupt" / latest.name / "shards").is_dir()
-    assert [r["epoch"] for r in _records(resumed.run_dir)] == [1, 2, 3]
-    assert resumed.epochs[-1]["samples_per_rank"] == [1024]
-    assert resumed.epochs[-1]["val_loss"] < last["val_loss"]
+# FSDP end to end (the transformer, its sharded checkpoints resharded and consolidated): test_object_storage,
+# whose run directory is in a bucket
 
 
 # ------------------------------------------------------------------ precision and schedules, end to end
