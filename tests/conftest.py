@@ -102,50 +102,6 @@ def trained_run(shared_run):
 
 
 @pytest.fixture(scope="session")
-def elastic_run(ray_address, tmp_path_factory):
-    """One fit() from Python on the shared Ray, read by test_train and test_worker_sync: --min-workers (4 asked,
-    2 fit beside the data-loading CPU), --scale-lr, train rows that do not split evenly, an odd-sized val split;
-    micro-batches of 8 (130 per rank and epoch) whose host-device waits each rank counts over SYNC_WINDOW of
-    epoch 1 (worker_hooks.CountSyncs, into RUN_DIR/sync-counts), with the sample ids recorded (their path is
-    counted too)."""
-    import ray
-    from support import SYNC_WINDOW
-
-    from raytrain_ddp import TrainConfig, fit
-
-    # Ray Train starts an elastic group with the workers that fit when it starts: every CPU free first (the
-    # tests before may leave actors and Ray Data tasks that take a second to go)
-    deadline = time.monotonic() + 60
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
-        time.sleep(0.5)
-    storage = tmp_path_factory.mktemp("elastic-runs")
-    counts = storage / "sync-counts"
-    counts.mkdir()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:CountSyncs")
-        env.setenv("RAYTRAIN_TEST_COUNT_SYNCS", f"{counts}:{SYNC_WINDOW[0]}:{SYNC_WINDOW[1]}")
-        result = fit(
-            TrainConfig(
-                num_workers=4,
-                min_workers=1,
-                scale_lr=True,
-                epochs=2,
-                dataset="synthetic-tabular",
-                model="mlp",
-                train_size=2081,
-                val_size=301,
-                batch_size=8,
-                record_sample_ids=True,
-                storage_path=str(storage),
-                name="elastic",
-                report=False,
-                tensorboard=False,
-            )
-        )
-    return result, counts
-
-
-@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible HTTP server on 127.0.0.1 (moto's server mode, a subprocess) holding an empty bucket
     `raytrain`: its endpoint URL. The credentials come by environment (ray_address sets them up)."""

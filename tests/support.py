@@ -167,8 +167,6 @@ def shared_run_args(storage: Path) -> list[str]:
     ]
 
 
-SYNC_WINDOW = (5, 125)  # the steady micro-batches of epoch 1 whose host-device waits are counted (elastic_run)
-
 WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # no network here: W&B writes its files only
 
 

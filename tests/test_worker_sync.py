@@ -10,21 +10,39 @@ import time
 from pathlib import Path
 
 import pytest
-from support import SYNC_WINDOW
+
+FIRST, LAST = 5, 125  # the steady micro-batches counted: after the first few, before the epoch's end
 
 
 @pytest.mark.ray
-def test_steady_steps_synchronise_only_at_the_cadences(elastic_run):
+def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path, monkeypatch):
+    from raytrain_ddp import TrainConfig, fit
     from raytrain_ddp.worker.loop import NAN_CHECK_EVERY, STOP_CHECK_EVERY
 
-    result, counts = elastic_run
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:CountSyncs")
+    monkeypatch.setenv("RAYTRAIN_TEST_COUNT_SYNCS", f"{counts}:{FIRST}:{LAST}")
+    # 130 micro-batches per rank; ids recorded, so their path is counted too
+    result = fit(
+        TrainConfig(
+            num_workers=2,
+            epochs=1,
+            dataset="synthetic-tabular",
+            model="mlp",
+            train_size=2080,
+            val_size=64,
+            batch_size=8,
+            record_sample_ids=True,
+            storage_path=str(tmp_path),
+            name="syncs",
+        )
+    )
     assert result.ok, result.summary["error"]
-    assert result.epochs[0]["steps_per_rank"] == [130, 130]  # one micro-batch per optimizer step
-    # in the window: the loss check of micro-batches first+1..last, the stop checks after optimizer steps
-    # first..last-1 (one micro-batch per step); each of them reads one value from the device
-    first, last = SYNC_WINDOW
-    loss_checks = sum(m % NAN_CHECK_EVERY == 0 for m in range(first + 1, last + 1))
-    stop_checks = sum(s % STOP_CHECK_EVERY == 0 for s in range(first, last))
+    # in the window: the loss check of micro-batches FIRST+1..LAST, the stop checks after optimizer steps
+    # FIRST..LAST-1 (one micro-batch per step); each of them reads one value from the device
+    loss_checks = sum(m % NAN_CHECK_EVERY == 0 for m in range(FIRST + 1, LAST + 1))
+    stop_checks = sum(s % STOP_CHECK_EVERY == 0 for s in range(FIRST, LAST))
     assert loss_checks == 1 and stop_checks == 12
     for rank in (0, 1):
         seen = json.loads((counts / f"rank-{rank}.json").read_text())
