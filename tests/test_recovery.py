@@ -176,7 +176,7 @@ def test_rerun_after_a_driver_crash_resumes_past_a_corrupt_checkpoint_and_resume
 
 
 def test_usr1_in_start_up_or_mid_run_stops_at_a_checkpoint_and_the_same_command_resumes(ray_address, tmp_path):
-    """USR1 (Slurm's warning before the time limit) before any worker runs (here: while the CLI imports torch
+    """USR1 (Slurm's warning: time limit or preemption) before any worker runs (here: while the CLI imports torch
     and Ray) neither kills the driver nor gets lost: the workers stop at their first step check with a
     checkpoint, and the command exits 75 (Slurm requeues it). The same command resumes from that checkpoint;
     a USR1 in its epoch 2 stops it again at a checkpoint, and a TERM while it stops is logged, not fatal."""
@@ -187,7 +187,7 @@ def test_usr1_in_start_up_or_mid_run_stops_at_a_checkpoint_and_the_same_command_
     early.send_signal(signal.SIGUSR1)
     output = early.communicate(timeout=300)[0]
     assert early.returncode == 75, output[-3000:]
-    assert "Got SIGUSR1 (Slurm's warning before the time limit)" in output, output[-3000:]
+    assert "Got SIGUSR1 (Slurm's warning: time limit or preemption)" in output, output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["epochs_completed"] == 0, summary
     assert Path(summary["resume_checkpoint"]).exists(), summary
@@ -214,7 +214,7 @@ def test_usr1_in_start_up_or_mid_run_stops_at_a_checkpoint_and_the_same_command_
     output = "".join(seen) + again.communicate(timeout=300)[0]
     assert again.returncode == 75, output[-3000:]
     assert f"Resuming from checkpoint {Path(summary['resume_checkpoint']).parent}" in output, output[-3000:]
-    assert "Got SIGUSR1 (Slurm's warning before the time limit): every rank checkpoints" in output
+    assert "Got SIGUSR1 (Slurm's warning: time limit or preemption): every rank checkpoints" in output
     assert "while already stopping" in output or "after training ended" in output, output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["stop_reason"].startswith("SIGUSR1"), summary

@@ -39,7 +39,7 @@ cluster_healthy() {
 
 if cluster_healthy "$N"; then
     log "already up with $N nodes:"
-    sinfo -N -o '%N %T %c %C' | sed 's/^/[testbed]   /'
+    sinfo -N -p debug -o '%N %T %c %C' | sed 's/^/[testbed]   /'
     exit 0
 fi
 if [[ -f $TESTBED_DIR/nodes.count ]]; then
@@ -176,6 +176,11 @@ AuthInfo=cred_expire=20
 KillWait=30
 InactiveLimit=0
 SlurmdTimeout=60
+# Preemption as sites run it: a job of a higher partition tier requeues a "debug" job, which first gets
+# its --signal (B:USR1) and GraceTime to checkpoint, TERM after that.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
 # 3 CPUs per node whatever the host has (config_overrides: trust this file,
 # not the hardware): a 1-worker-per-node Ray job needs a worker's CPUs plus
 # one whole CPU for data loading on each node.
@@ -187,7 +192,8 @@ CONF
     for ((i = 1; i <= N; i++)); do
         echo "NodeName=$(node_name "$i") NodeAddr=$(node_addr "$i")"
     done
-    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
+    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime=90"
+    echo "PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF"
 } >"$SLURM_CONF"
 
 # ---- slurmctld on the host -------------------------------------------------
@@ -219,7 +225,7 @@ done
 # ---- wait until every node is idle ----------------------------------------
 log "waiting for $N nodes to become idle"
 for ((t = 0; t < 300; t++)); do
-    states=$(sinfo -h -N -o '%N %T' 2>/dev/null || true)
+    states=$(sinfo -h -N -p debug -o '%N %T' 2>/dev/null || true)
     idle=$(grep -c ' idle$' <<<"$states" || true)
     [[ $idle -eq $N ]] && break
     # nodes that registered while the controller still thought them down
@@ -237,4 +243,4 @@ if [[ $idle -ne $N ]]; then
 fi
 mkdir -p "$TESTBED_DIR/shared"
 log "up: $N nodes, controller $CTLD_HOST ($HOST_ADDR), logs in $TESTBED_DIR/log, shared storage $TESTBED_DIR/shared"
-sinfo -N -o '%N %T %c %C' | sed 's/^/[testbed]   /'
+sinfo -N -p debug -o '%N %T %c %C' | sed 's/^/[testbed]   /'

@@ -95,9 +95,10 @@ class Launcher:
 
     # ---------------------------------------------------------------- signals
     def on_usr1(self, signum, frame) -> None:
-        """The pre-timeout warning (--signal=B:USR1@300): the trainer checkpoints at its next step and exits 75."""
+        """The job's --signal (B:USR1@300): before the time limit, or at a preemption under Slurm's
+        preempt_send_user_signal. The trainer checkpoints at its next step and exits 75."""
         self.got_usr1 = True
-        self.keep(signal.SIGUSR1, "USR1 (time limit near)")
+        self.keep(signal.SIGUSR1, "USR1 (time limit or preemption)")
 
     def on_term(self, signum, frame) -> None:
         """scancel, preemption or the time limit: like USR1 (no requeue: that is Slurm's to decide);

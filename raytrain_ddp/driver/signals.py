@@ -1,4 +1,4 @@
-"""SIGUSR1 (Slurm's warning before the time limit) and SIGTERM: stop at a checkpoint, not in the middle."""
+"""SIGUSR1 (Slurm's warning: time limit or preemption) and SIGTERM: stop at a checkpoint, not in the middle."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 log = logging.getLogger("raytrain_ddp")
 
 STOP_SIGNALS = {
-    signal.SIGUSR1: "SIGUSR1 (Slurm's warning before the time limit)",
+    signal.SIGUSR1: "SIGUSR1 (Slurm's warning: time limit or preemption)",
     signal.SIGTERM: "SIGTERM",
 }
 

@@ -289,11 +289,28 @@ def _log_time(log: str, needle: str) -> float:
     return h * 3600 + m * 60 + s
 
 
-def test_usr1_while_ray_starts_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed) -> None:
-    """The time-limit warning end to end, sent while the Ray cluster is still starting (before the trainer
-    exists): kept, sent to the trainer once it handles it -> checkpoint at its first step -> exit 75 ->
-    scontrol requeue -> the same job id runs again in the same run directory, resumes from that
-    checkpoint and finishes the requested epochs."""
+def _preempt(job_id: int, wd: Path) -> int:
+    """Submit to the testbed's higher partition a job that needs the nodes `job_id` holds: Slurm preempts it
+    (PreemptMode=REQUEUE, GraceTime=90, preempt_send_user_signal: its --signal, B:USR1, comes now; TERM only
+    after the grace). Returns the preempting job's id; its log is wd/urgent.out."""
+    nodes = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%N"], capture_output=True, text=True).stdout
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "--partition=urgent", f"--nodelist={nodes.strip()}", "--cpus-per-task=3"]
+        + ["--output", str(wd / "urgent.out"), "--wrap", "echo urgent job ran on $(hostname)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return int(urgent.stdout.strip().split(";")[0])
+
+
+def test_preemption_while_ray_starts_checkpoints_requeues_and_the_requeued_job_resumes(testbed: Testbed) -> None:
+    """Slurm's own preemption end to end, while the Ray cluster is still starting (before the trainer exists):
+    a job of a higher partition needs the node, Slurm sends the job's USR1 at once (preempt_send_user_signal),
+    which is kept and sent to the trainer once it handles it -> checkpoint at its first step -> exit 75 ->
+    requeue -> the preempting job runs -> the same job id runs again in the same run directory, resumes from
+    that checkpoint and finishes the requested epochs."""
     epochs = 3
     wd = testbed.workdir("preempt")
     log_path = wd / "job.out"
@@ -301,22 +318,24 @@ def test_usr1_while_ray_starts_checkpoints_requeues_and_the_requeued_job_resumes
     job_id = testbed.submit(wd, ONE_NODE, run_args)
     run_dir = wd / "runs" / f"raytrain-{job_id}"
     t0 = time.monotonic()
+    urgent_id = None
     try:
         wait_for_line(log_path, "starting Ray head", t0, 300, "the job never started", poll_s=0.2)
-        subprocess.run(["scancel", "--signal=USR1", "--batch", str(job_id)], check=True, timeout=30)
+        urgent_id = _preempt(job_id, wd)
         while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
             assert time.monotonic() - t0 < 600, "the job (or its requeued run) did not finish:\n" + log_path.read_text()
             time.sleep(1)
     finally:
-        subprocess.run(["scancel", str(job_id)], timeout=30)
+        subprocess.run(["scancel", str(job_id), *([str(urgent_id)] if urgent_id else [])], timeout=30)
     log = log_path.read_text()
     job = Job(job_id, -1, log, time.monotonic() - t0, wd)
     first, _, again = log.partition(f"job {job_id} (restart count 1)")
-    assert "got USR1 (time limit near) while the Ray cluster starts: kept for the trainer" in first, show(job)
+    assert "got USR1 (time limit or preemption) while the Ray cluster starts: kept for the trainer" in first, show(job)
     assert first.index("got USR1") < first.index("trainer: "), show(job)  # before the trainer existed
-    assert "Got SIGUSR1 (Slurm's warning before the time limit)" in first, show(job)
+    assert "Got SIGUSR1 (Slurm's warning: time limit or preemption)" in first, show(job)
     assert "trainer exited with code 75" in first, show(job)
     assert f"requeued job {job_id} (restart 1)" in first, show(job)
+    assert (wd / "urgent.out").read_text().startswith("urgent job ran on "), show(job)  # what preempted it
     assert again, show(job)  # the same job id ran again...
     assert f"run directory: {run_dir}" in again, show(job)  # ...in the same run dir
     assert "Resuming from checkpoint " in again, show(job)
