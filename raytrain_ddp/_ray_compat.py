@@ -280,7 +280,9 @@ def write_snapshot(run_dir: RunPath, state: dict) -> None:
     """Write the snapshot atomically, after Ray's own schema has accepted it."""
     from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import _CheckpointManagerState
 
-    text = _CheckpointManagerState.parse_obj(state).json()  # as Ray Train itself reads and writes it
+    # Ray Train reads it with pydantic's v1 API (parse_obj); v2's model_validate/model_dump_json are the same
+    # schema and text without v2's deprecation warnings
+    text = _CheckpointManagerState.model_validate(state).model_dump_json()
     write_atomic(run_dir / SNAPSHOT_FILE, text)
 
 

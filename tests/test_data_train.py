@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -74,9 +75,10 @@ def _train_shards(config) -> list:
     from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data
 
     datasets = build_datasets(config, plan_data(config))
-    per_rank = ShardingDataConfig().configure(
-        {"train": datasets["train"]}, world_size=2, worker_handles=None, worker_node_ids=None
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as the driver makes it for every run: no deprecated Ray Data option
+        sharding = ShardingDataConfig()
+    per_rank = sharding.configure({"train": datasets["train"]}, world_size=2, worker_handles=None, worker_node_ids=None)
     return [shards["train"] for shards in per_rank]
 
 

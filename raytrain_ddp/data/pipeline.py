@@ -745,8 +745,13 @@ class ShardingDataConfig(DataConfig):
     """Train: equal shards drawn per epoch (no DDP hang). Val: every row on exactly one rank."""
 
     def __init__(self) -> None:
-        options = DataConfig.default_ingest_options()
-        options.preserve_order = True  # blocks in piece order: the epoch's order is the seed's
+        # DataConfig.default_ingest_options() less its deprecated exclude_resources (Ray Train V2 excludes none)
+        current = ray.data.DataContext.get_current().execution_options
+        options = ExecutionOptions(
+            resource_limits=current.resource_limits,
+            preserve_order=True,  # blocks in piece order: the epoch's order is the seed's
+            verbose_progress=current.verbose_progress,
+        )
         super().__init__(datasets_to_split=["train", "val"], execution_options=options)
         self.options = options
 

@@ -33,6 +33,7 @@ import functools
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -355,7 +356,9 @@ def _bytes_under(directory: Path) -> int:
 def load_model_weights(checkpoint_dir: str | RunPath, model: torch.nn.Module) -> None:
     """A sharded checkpoint's model weights into a plain model, on one process (DCP assembles the shards)."""
     state = {"model": model.state_dict()}
-    with local_copy(location(checkpoint_dir) / SHARDS_DIR) as shards:
+    with local_copy(location(checkpoint_dir) / SHARDS_DIR) as shards, warnings.catch_warnings():
+        # DCP warns that it assumes a single process even when asked for one (no_dist): news to no one here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
         _dcp().load(state, checkpoint_id=str(shards), no_dist=True)
     model.load_state_dict(state["model"])
 

@@ -200,13 +200,14 @@ class Trainer:
         return position
 
     def micro_batch(self, batch: dict, synchronise: bool) -> torch.Tensor:
-        """Forward and backward on one micro-batch; gradients are all-reduced only when `synchronise`."""
+        """Forward and backward on one micro-batch; gradients are all-reduced only when `synchronise`.
+        Returns the loss, detached: its graph is spent."""
         x = batch["x"].contiguous(memory_format=torch.channels_last) if self.config.channels_last else batch["x"]
         with strategy.no_grad_sync(self.model, self.config) if not synchronise else contextlib.nullcontext():
             with strategy.autocast(self.config, self.device):
                 loss = self.loss_fn(self.model(x), batch["y"])
             self.scaler.scale(loss / self.config.grad_accum).backward()
-        return loss
+        return loss.detach()
 
     def optimizer_step(self) -> bool:
         """Clip, step, advance the schedule. False when the step was skipped (non-finite gradients).
