@@ -146,3 +146,16 @@ def test_the_exclusion_list_merges_with_the_jobs_own():
     assert health.job_field(shown, "ReqNodeList") == ""
     assert health.merged_exclusion(["n7"], ["n2", "n7"]) == ["n7", "n2"]
     assert health.merged_exclusion([], ["n2"]) == ["n2"]
+
+
+def test_a_usr1_is_told_apart_as_a_preemption_by_the_jobs_preempt_time():
+    running = (
+        "JobId=5 JobState=RUNNING EndTime=2026-12-04T12:01:06 PreemptEligibleTime=2026-12-04T11:31:06 PreemptTime=None"
+    )
+    assert health.preemption(running) is None  # the time-limit warning (or a USR1 sent by hand)
+    preempted = running.replace("EndTime=2026-12-04T12:01:06", "EndTime=2026-12-04T11:32:39").replace(
+        "PreemptTime=None", "PreemptTime=2026-12-04T11:31:09"
+    )
+    assert health.preemption(preempted) == (
+        "Slurm is preempting this job (since 2026-12-04T11:31:09; it ends by 2026-12-04T11:32:39)"
+    )

@@ -118,6 +118,15 @@ def job_field(scontrol_show_job: str, field: str) -> str:
     return ""
 
 
+def preemption(scontrol_show_job: str) -> str | None:
+    """What a USR1 meant, from `scontrol show job`: Slurm preempting the job (a PreemptTime is set; under
+    GraceTime the job's EndTime is moved up to when the grace ends), or None (no preemption pending)."""
+    since = job_field(scontrol_show_job, "PreemptTime")
+    if since in ("", "None", "Unknown"):
+        return None
+    return f"Slurm is preempting this job (since {since}; it ends by {job_field(scontrol_show_job, 'EndTime')})"
+
+
 def merged_exclusion(excluded: list[str], bad: list[str]) -> list[str]:
     """The job's ExcNodeList after excluding `bad` too: the old entries first, none twice."""
     return list(dict.fromkeys([*excluded, *bad]))

@@ -86,6 +86,7 @@ class Launcher:
         self.readers: list[threading.Thread] = []  # copy each step's output into the job log
         self.trainer: subprocess.Popen | None = None
         self.got_usr1 = self.got_term = False
+        self.usr1_told = False  # whether the log says what the USR1 was: a preemption or the time limit
         self.term_at = 0.0
         self.pending: list[int] = []  # stop signals the trainer has not been sent yet
         self.requeue = False
@@ -151,13 +152,27 @@ class Launcher:
                 # as if Slurm's USR1 had come: a job submitted without --signal, or a signal lost, still
                 # ends with a checkpoint and is requeued
                 log.info("the time limit is %.0fs away and no USR1 came", margin)
+                self.usr1_told = True
                 self.on_usr1(signal.SIGUSR1, None)
+            if self.got_usr1 and not self.usr1_told:
+                self.usr1_told = True
+                log.info("%s", self.usr1_meaning())
             self.deliver()
             if self.got_term and time.monotonic() > max(self.term_at, started) + grace:
                 log.info("the trainer did not stop within %.0fs of TERM (RAYTRAIN_STOP_GRACE_S)", grace)
                 raise Stop(143)
             time.sleep(0.2)
         return rc
+
+    @staticmethod
+    def usr1_meaning() -> str:
+        try:
+            shown = subprocess.run(
+                ["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return "scontrol did not say whether Slurm is preempting this job"
+        return health.preemption(shown) or "no preemption is pending: the USR1 is the time-limit warning (or by hand)"
 
     @staticmethod
     def squeue_end_time() -> str:

@@ -332,6 +332,7 @@ def test_preemption_while_ray_starts_checkpoints_requeues_and_the_requeued_job_r
     first, _, again = log.partition(f"job {job_id} (restart count 1)")
     assert "got USR1 (time limit or preemption) while the Ray cluster starts: kept for the trainer" in first, show(job)
     assert first.index("got USR1") < first.index("trainer: "), show(job)  # before the trainer existed
+    assert "Slurm is preempting this job (since " in first, show(job)  # told apart from the time limit
     assert "Got SIGUSR1 (Slurm's warning: time limit or preemption)" in first, show(job)
     assert "trainer exited with code 75" in first, show(job)
     assert f"requeued job {job_id} (restart 1)" in first, show(job)
