@@ -408,7 +408,7 @@ def _train(
             ", ".join(map(str, sorted(recorder.epochs))),
         )
     stop = threading.Event()
-    watch_args = (monitor, recorder, stop, config, NodeWatch(nodes), lock)
+    watch_args = (monitor, recorder, stop, config, NodeWatch(nodes, ray.get_runtime_context().gcs_address), lock)
     watcher = threading.Thread(target=watch, args=watch_args, daemon=True)
     watcher.start()
     error, result, interrupted = None, None, False
@@ -416,9 +416,12 @@ def _train(
     try:
         result = _make_trainer(config, datasets, plan.spec, monitor, plugins, start_workers).fit()
     except KeyboardInterrupt:  # Ctrl-C (Ray Train's own SIGINT handler is kept off: see _ray_compat.torch_trainer)
-        interrupted = True
-        with interrupts_deferred():
-            _ray_compat.kill_train_controller()  # its workers go with it
+        if recorder.cluster_gone:  # the watcher's, not the user's: nothing is left to stop
+            error = recorder.abort_reason
+        else:
+            interrupted = True
+            with interrupts_deferred():
+                _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
         error = describe_failure(err)
     except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
@@ -433,8 +436,10 @@ def _train(
             watcher.join()
             if not lock.taken_over.is_set():
                 recorder.flush_files()
-            stop_reason = ray.get(monitor.stop_requested.remote())
-            ray.kill(monitor)
+            stop_reason = None
+            if not recorder.cluster_gone:
+                stop_reason = ray.get(monitor.stop_requested.remote())
+                ray.kill(monitor)
     if lock.taken_over.is_set():  # no summary, report or tracker outcome over the other driver's
         for sink in sinks:
             sink.close(None)

@@ -121,6 +121,7 @@ class RunRecorder:
         self.lost_nodes: list[dict] = []
         self.interrupted_at: float | None = None  # (monotonic) when a lost node took ranks; None while a group runs
         self.abort_reason: str | None = None  # why the driver ended the run (capacity did not come back)
+        self.cluster_gone = False  # the Ray cluster itself went away (its GCS stopped answering)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -11,9 +11,11 @@ Both run on the monotonic clock; what a rank's position is lives in
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -25,6 +27,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight
 from raytrain_ddp.driver.monitor import RunRecorder
 from raytrain_ddp.driver.run_lock import RunLock
+from raytrain_ddp.errors import one_line
 
 log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
@@ -36,6 +39,10 @@ POLL_INTERVAL_S = 0.5
 STARTUP_GRACE_S = 120
 NODE_CHECK_INTERVAL_S = 2.0
 PROGRESS_LOG_INTERVAL_S = 5.0
+# Ray's core worker ends this process 60 s after it lost the GCS (the head node's Ray), with no summary and no
+# word of why: the watcher calls the cluster gone well before, and the run ends with both.
+CLUSTER_GONE_S = 15.0
+DRAIN_TIMEOUT_S = 5.0  # a drain that waits longer is retried; the GCS check decides whether the cluster is gone
 
 
 @ray.remote(num_cpus=0)
@@ -65,11 +72,26 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
 
 
 class NodeWatch:
-    """The Ray cluster's nodes as the run goes on: which left, which joined."""
+    """The Ray cluster's nodes as the run goes on: which left, which joined; whether its GCS still answers."""
 
-    def __init__(self, nodes: list[dict]) -> None:
+    def __init__(self, nodes: list[dict], gcs_address: str) -> None:
         self.alive = {node["node_id"]: node for node in nodes}
         self.checked = time.monotonic()
+        self.gcs_address = gcs_address
+        self.gcs_silent_since: float | None = None
+
+    def gcs_silent_for(self) -> float:
+        """Seconds the GCS has refused connections or let them time out; 0 while it accepts them. A plain TCP
+        connect: Ray's own calls wait (up to the 60 s above) instead of failing."""
+        self.checked = time.monotonic()
+        host, _, port = self.gcs_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+        except OSError:
+            self.gcs_silent_since = self.gcs_silent_since or time.monotonic()
+            return time.monotonic() - self.gcs_silent_since
+        self.gcs_silent_since = None
+        return 0.0
 
     def changes(self) -> tuple[list[dict], list[dict]]:
         """(lost, joined) since the last look."""
@@ -115,6 +137,19 @@ def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
     )
 
 
+def _end_lost_cluster(recorder: RunRecorder, gcs_address: str, silent_s: float) -> None:
+    """The head node's Ray is gone, and with it the cluster: say so, and end fit() in the main thread as Ctrl-C
+    would (nothing of the cluster is left to stop)."""
+    recorder.cluster_gone = True
+    recorder.abort_reason = (
+        f"the Ray cluster went away: its GCS at {gcs_address} has not answered for {silent_s:.0f}s (Ray ended on "
+        f"its head node: the node, its Slurm step or `ray stop`); the checkpoints are kept: run the same command "
+        f"again to resume"
+    )
+    log.error("Giving up: %s", recorder.abort_reason)
+    _thread.interrupt_main()
+
+
 def watch(
     monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch, lock: RunLock
 ) -> None:
@@ -125,15 +160,24 @@ def watch(
     which gets one row per epoch), so a log shows where a long epoch stands.
     """
     last_logged, liveness = time.monotonic(), recorder.liveness
+    drained = None  # a drain not yet answered: waited for again, never asked anew (its events would be lost)
+    monitor_silent = False  # said once, while the monitor does not answer
     while not stop.wait(POLL_INTERVAL_S):
         try:
             if lock.taken_over.is_set():  # every poll until fit() returns: a controller that starts late goes too
                 recorder.abort_reason = recorder.abort_reason or lock.takeover_message()
                 _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
                 continue
-            recorder.consume(ray.get(monitor.drain.remote()))
             if time.monotonic() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
+                if silent_s := node_watch.gcs_silent_for():
+                    if silent_s > CLUSTER_GONE_S:
+                        _end_lost_cluster(recorder, node_watch.gcs_address, silent_s)
+                        break
+                    continue  # Ray's calls would wait for it
                 _note_node_changes(config, recorder, node_watch)
+            drained = drained or monitor.drain.remote()
+            recorder.consume(ray.get(drained, timeout=DRAIN_TIMEOUT_S))
+            drained, monitor_silent = None, False
             if recorder.interrupted_at is not None:  # no group to watch: waiting for capacity
                 if time.monotonic() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
                     recorder.abort_reason = _capacity_verdict(config, recorder)
@@ -147,7 +191,16 @@ def watch(
             if time.monotonic() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
                 progress_log.info(line)
                 last_logged = time.monotonic()
+        except ray.exceptions.GetTimeoutError:
+            continue  # the GCS check above tells a slow monitor from a cluster gone
+        except ray.exceptions.RayActorError as err:  # the monitor's process or node gone (it restarts, if Ray lives)
+            drained = None
+            if not monitor_silent:
+                log.warning("The run monitor does not answer (%s); watching the cluster", one_line(err))
+            monitor_silent = True
         except Exception:  # the watcher must outlive a bad message: training goes on regardless
+            drained = None
             log.exception("Error while reading worker news (training continues)")
-    if not lock.taken_over.is_set():
-        recorder.consume(ray.get(monitor.drain.remote()))
+    if not lock.taken_over.is_set() and not recorder.cluster_gone:
+        for events in ray.get([drained or monitor.drain.remote(), monitor.drain.remote()]):
+            recorder.consume(events)
