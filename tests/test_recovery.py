@@ -106,27 +106,17 @@ def _cli(tmp_path: Path, name: str, *extra: str, address: str | None, epochs: in
     ]
 
 
-def _latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint Ray Train would resume from, as its snapshot records it."""
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
-    if not snapshot.exists():
-        return None
-    latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]
-    return run_dir / latest["checkpoint_dir_name"] if latest else None
-
-
 def _wait_for_checkpoint_of_epoch(run_dir: Path, epoch: int, timeout: float = 300) -> Path:
+    """The checkpoint Ray Train would resume from, once its snapshot records one of `epoch`. Ray Train rewrites
+    the snapshot in place: a read that finds it empty or cut short is a moment too early, not an error."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        latest = _latest_checkpoint(run_dir)
-        if (
-            latest
-            and json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"][
-                "metrics"
-            ].get("epoch")
-            == epoch
-        ):
-            return latest
+        try:
+            latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+        except (FileNotFoundError, ValueError):
+            latest = None
+        if latest and latest["metrics"].get("epoch") == epoch:
+            return run_dir / latest["checkpoint_dir_name"]
         time.sleep(0.2)
     raise TimeoutError(f"no checkpoint of epoch {epoch} in {run_dir}")
 
