@@ -79,6 +79,11 @@ def free_port_block(job_id: int, head: str) -> planning.Ports:
     raise LaunchError(f"no free port block in 20000-29999 on {head}", EXIT_BRINGUP)
 
 
+def show_job(job_id: str) -> str:
+    """`scontrol show job JOB`'s text (health.job_field reads its fields)."""
+    return subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+
+
 class Launcher:
     def __init__(self, trainer_args: list[str]) -> None:
         self.args = list(trainer_args)
@@ -167,9 +172,7 @@ class Launcher:
     @staticmethod
     def usr1_meaning() -> str:
         try:
-            shown = subprocess.run(
-                ["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True, text=True, timeout=30
-            ).stdout
+            shown = show_job(os.environ["SLURM_JOB_ID"])
         except (OSError, subprocess.TimeoutExpired):
             return "scontrol did not say whether Slurm is preempting this job"
         return health.preemption(shown) or "no preemption is pending: the USR1 is the time-limit warning (or by hand)"
@@ -642,8 +645,7 @@ class Launcher:
         if subprocess.run(["scontrol", "requeuehold", job]).returncode != 0:
             log.error("scontrol requeuehold %s failed; submit again with --exclude=%s", job, ",".join(bad))
             return False
-        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-        excluded = health.job_field(shown, "ExcNodeList")
+        excluded = health.job_field(show_job(job), "ExcNodeList")
         if excluded:
             excluded = subprocess.run(
                 ["scontrol", "show", "hostnames", excluded], capture_output=True, text=True

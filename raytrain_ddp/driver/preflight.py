@@ -30,6 +30,13 @@ DATA_LOADING_CPUS = 1
 log = logging.getLogger("raytrain_ddp")
 
 
+def connect(address: str, timeout: float) -> None:
+    """Open and close a plain TCP connection to HOST:PORT (or [IPv6]:PORT); raises OSError, or ValueError for
+    an address that is not one. What answers in seconds where Ray's own clients retry for minutes."""
+    host, _, port = address.rpartition(":")
+    socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+
+
 def init_ray(address: str, **options):
     """`ray.init`, with a cluster that cannot be reached as a one-line ConfigError.
 
@@ -42,7 +49,7 @@ def init_ray(address: str, **options):
     elif address != "auto" and "://" not in address:
         host, _, port = address.rpartition(":")
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+            connect(address, timeout=5)
         except (OSError, ValueError) as err:
             why = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None

@@ -15,7 +15,6 @@ import _thread
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -84,9 +83,8 @@ class NodeWatch:
         """Seconds the GCS has refused connections or let them time out; 0 while it accepts them. A plain TCP
         connect: Ray's own calls wait (up to the 60 s above) instead of failing."""
         self.checked = time.monotonic()
-        host, _, port = self.gcs_address.rpartition(":")
         try:
-            socket.create_connection((host, int(port)), timeout=2).close()
+            preflight.connect(self.gcs_address, timeout=2)
         except OSError:
             self.gcs_silent_since = self.gcs_silent_since or time.monotonic()
             return time.monotonic() - self.gcs_silent_since
@@ -202,5 +200,5 @@ def watch(
             drained = None
             log.exception("Error while reading worker news (training continues)")
     if not lock.taken_over.is_set() and not recorder.cluster_gone:
-        for events in ray.get([drained or monitor.drain.remote(), monitor.drain.remote()]):
+        for events in ray.get([*([drained] if drained else []), monitor.drain.remote()]):  # in the order asked
             recorder.consume(events)
