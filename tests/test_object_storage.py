@@ -2,7 +2,7 @@
 
 Every run file, the checkpoints, the resume, retention and the corrupt-checkpoint fallback go through
 pyarrow.fs to that server, and nothing lands in a local folder named after the scheme. Two Ray runs (DDP's
-full checkpoints from the CLI, FSDP's sharded ones from fit()), each with its resume; the bad inputs fail
+full checkpoints from the CLI, FSDP's sharded ones from the FSDP example), each with its resume; the bad inputs fail
 before Ray starts.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
-from support import REPO
+from support import REPO, run_python_file
 
 from raytrain_ddp.errors import ConfigError
 
@@ -122,7 +122,8 @@ def test_a_run_on_s3_writes_everything_there_and_resumes_past_a_corrupt_checkpoi
 def test_fsdp_trains_the_transformer_into_a_bucket_and_its_sharded_checkpoint_reshards_and_consolidates(
     ray_address, s3_server, tmp_path
 ):
-    """FSDP with the run directory in a bucket. fp32: this CPU has no bf16 units (emulated bf16 is several times
+    """FSDP with the run directory in a bucket: the FSDP example (examples/fsdp_transformer_lm.py), run as a user
+    runs it, its flags overriding its settings. fp32: this CPU has no bf16 units (emulated bf16 is several times
     slower); bf16 x FSDP runs in the flag matrix (tests/test_flag_matrix.py). FSDP's checkpoints are sharded by
     default, written in the background: every rank's shards are uploaded into one checkpoint directory there,
     none gathered on rank zero; evaluate and consolidate take the checkpoint's URI; the run continues on 1
@@ -134,7 +135,7 @@ def test_fsdp_trains_the_transformer_into_a_bucket_and_its_sharded_checkpoint_re
     from raytrain_ddp.worker.checkpoint import consolidate
 
     fs, run = _fs(s3_server), f"{BUCKET}/sharded/fsdp-lm"
-    settings = dict(
+    settings = dict(  # the example's, with the sizes and the schedule these flags give it
         model="transformer",
         dataset="synthetic-tokens",
         strategy="fsdp",
@@ -148,29 +149,37 @@ def test_fsdp_trains_the_transformer_into_a_bucket_and_its_sharded_checkpoint_re
         report=False,
         tensorboard=False,
     )
-    result = fit(TrainConfig(num_workers=2, epochs=2, log_every_steps=4, peak_tflops=2.0, **settings))
-    assert result.ok, result.summary["error"]
-    first, last = result.epochs
+    flags = ["--storage-path", settings["storage_path"], "--train-size", "1024", "--val-size", "128"]
+    flags += ["--lr-schedule", "constant", "--warmup-epochs", "0", "--no-tensorboard"]
+    flags += ["--log-every-steps", "4", "--peak-tflops", "2.0"]
+    example = run_python_file(
+        REPO / "examples" / "fsdp_transformer_lm.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address}, args=flags
+    )
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert "status: finished" in example.stdout and "FSDP, fp32" in example.stderr, example.stderr[-3000:]
+    summary = json.loads(_read(fs, f"{run}/summary.json"))
+    epochs = [json.loads(line) for line in _read(fs, f"{run}/metrics.jsonl").splitlines()]
+    first, last = epochs
     # Model FLOPs, counted before sharding: each rank's MFU is its achieved TFLOP/s over the peak given
-    for epoch in result.epochs:
+    for epoch in epochs:
         assert all(tflops > 0 for tflops in epoch["model_tflops_per_second_per_rank"])
         assert epoch["mfu_per_rank"] == pytest.approx([t / 2.0 for t in epoch["model_tflops_per_second_per_rank"]])
-    assert result.summary["mfu"] == pytest.approx(sum(e["mfu"] for e in result.epochs) / 2)
+    assert summary["mfu"] == pytest.approx(sum(e["mfu"] for e in epochs) / 2)
     # Clipping computes the global gradient norm (over both ranks' shards): steps.jsonl records it
     steps = [json.loads(line) for line in _read(fs, f"{run}/steps.jsonl").splitlines()]
     assert steps and all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in steps)
     assert first["train_loss"] < math.log(64)  # below a uniform guess over the vocabulary...
     assert last["val_loss"] < 0.75 * math.log(64)  # ...and clearly below it after two epochs
     assert last["val_identical_across_ranks"]
-    assert result.summary["replicas_identical"]
+    assert summary["replicas_identical"]
     # A language model's checkpoints are ranked by validation loss, lowest best (its token accuracy is no goal)
-    assert result.summary["checkpoints_ranked_by"] == "val_loss (min)"
-    assert result.summary["best_metrics"]["val_loss"] == min(first["val_loss"], last["val_loss"])
+    assert summary["checkpoints_ranked_by"] == "val_loss (min)"
+    assert summary["best_metrics"]["val_loss"] == min(first["val_loss"], last["val_loss"])
 
     # Sharded (the default for FSDP, as config.toml records): each rank wrote its shards, none gathered them;
     # both epochs' checkpoints counted by Ray Train, the last one waited for before the run ended.
     assert 'checkpoint_format = "sharded"' in _read(fs, f"{run}/config.toml")
-    best, latest = result.best_checkpoint, result.summary["latest_checkpoint"]
+    best, latest = summary["best_checkpoint"], summary["latest_checkpoint"]
     listed = fs.get_file_info(pafs.FileSelector(run))
     names = sorted(info.base_name for info in listed if info.base_name.startswith("checkpoint_2"))
     assert len(names) == 2 and latest.split("?")[0].rsplit("/", 1)[1] == names[-1], (names, latest)

@@ -21,6 +21,7 @@ import pytest
         ("raytrain_ddp.data.validate", "torch"),  # the driver's dataset check tasks
         ("raytrain_ddp.worker.loop", "torch.distributed.checkpoint"),  # the controller; DDP workers until a save
         ("raytrain_ddp.worker.loop", "torch.distributed.fsdp"),
+        ("raytrain_ddp.driver.monitor", "torch"),  # the RunMonitor actor, on the driver's node
     ],
 )
 def test_unpickled_modules_leave_heavy_imports_to_first_use(module, not_imported):

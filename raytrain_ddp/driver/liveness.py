@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from raytrain_ddp.worker.metrics import CHECKPOINT_STAGES
+from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 
 # Within an epoch: the earlier phase is behind (compiling happens inside training, or validation's first batch).
 PHASE_ORDER = {

@@ -41,7 +41,6 @@ from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
 from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
 from raytrain_ddp.worker.hooks import WorkerHooks, worker_hooks
 from raytrain_ddp.worker.metrics import (
-    CHECKPOINT_STAGES,
     EpochMeter,
     Heartbeat,
     StepClock,
@@ -54,6 +53,7 @@ from raytrain_ddp.worker.metrics import (
     parameter_checksum,
     sync_buffers,
 )
+from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 from raytrain_ddp.worker.profile import StepProfile
 from raytrain_ddp.worker.schedule import make_scheduler, resume_schedule, steps_per_epoch
 

@@ -114,10 +114,6 @@ class StepClock:
         return self._start.elapsed_time(self._end) / 1000
 
 
-# What a rank does inside "checkpointing", in order: its heartbeat's phase progress is the index.
-CHECKPOINT_STAGES = ("gathering", "saving", "reporting")
-
-
 class Heartbeat:
     """Tells the driver where this rank is, once a second, from a thread of its own.
 
