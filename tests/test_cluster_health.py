@@ -159,3 +159,15 @@ def test_a_usr1_is_told_apart_as_a_preemption_by_the_jobs_preempt_time():
     assert health.preemption(preempted) == (
         "Slurm is preempting this job (since 2026-12-04T11:31:09; it ends by 2026-12-04T11:32:39)"
     )
+
+
+def test_a_trainer_that_failed_without_writing_its_summary_is_told_apart():
+    stopped = {"status": "stopped", "epochs_completed": 1}  # the last incarnation's, before a requeue
+    said = health.ended_without_summary(-9, stopped, stopped)
+    assert said and said.startswith("the trainer was killed by SIGKILL (the OOM killer"), said
+    assert said.endswith("the same command resumes from the latest checkpoint"), said
+    assert "Ray ending it because the Ray of its node went away" in health.ended_without_summary(1, {}, {})
+    failed = {"status": "failed", "error": "non-finite loss at step 3"}
+    assert health.ended_without_summary(1, stopped, failed) is None  # its own summary says why
+    assert health.ended_without_summary(0, {}, {}) is None
+    assert health.ended_without_summary(2, {}, {}) is None  # a bad input: its one line is out

@@ -6,6 +6,7 @@ fake reports in milliseconds; raytrain_ddp.cluster.node runs the check, the laun
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 
 NETCHECK_TIMEOUT_S = 30.0  # default of RAYTRAIN_NETCHECK_TIMEOUT_S: a few connections, seconds on a sane network
@@ -107,6 +108,25 @@ def nodes_the_run_failed_on(summary: Mapping, nodes: list[str]) -> list[str]:
         return []
     short = {str(h).split(".")[0] for h in named if h}
     return [n for n in nodes if n.split(".")[0] in short]
+
+
+def ended_without_summary(returncode: int, before: Mapping, after: Mapping) -> str | None:
+    """The launcher's line for a trainer cut short before it wrote its summary (`before`: the run's summary
+    when the trainer started, {} for none), else None. Ray ends a driver at once, with exit code 1 and no word
+    of why, when the Ray of its node goes (its raylet killed, `ray stop`, a step cancelled); the OOM killer
+    sends a SIGKILL. A bad input (exit code 2) has said its one line already."""
+    if not (returncode == 1 or returncode < 0) or after != before:
+        return None
+    if returncode < 0:
+        how = f"was killed by {signal.Signals(-returncode).name} (the OOM killer, or a process that sent it)"
+    else:
+        how = (
+            "exited with code 1: a crash (its traceback above), or Ray ending it because the Ray of its node went away"
+        )
+    return (
+        f"the trainer {how} before writing its summary; its driver.log and ray-logs are in the run directory, "
+        "what it recorded stays there, and the same command resumes from the latest checkpoint"
+    )
 
 
 def job_field(scontrol_show_job: str, field: str) -> str:

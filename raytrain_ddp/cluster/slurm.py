@@ -367,13 +367,17 @@ class Launcher:
         if shape.note:
             log.info("%s", shape.note)
         cmd = [sys.executable, "-u", "-m", plan.module, "--address", plan.head_address, *shape.extra_args, *self.args]
+        run_dir = self.run_dir(chosen)  # opens the storage (on object storage, a connection): once
+        summary_before = self.summary(run_dir)  # a requeued run's is its last incarnation's
         log.info("trainer: %s", " ".join(cmd))
         self.trainer = subprocess.Popen(cmd)
         rc = self.wait_for_trainer()
         self.trainer = None
-        run_dir = self.run_dir(chosen)  # opens the storage (on object storage, a connection): once
         log.info("trainer exited with code %d; run directory: %s", rc, run_dir)
-        failed_on = health.nodes_the_run_failed_on(self.summary(run_dir), plan.nodes) if rc != 0 else []
+        summary = self.summary(run_dir)
+        if unexplained := health.ended_without_summary(rc, summary_before, summary):
+            log.error("%s", unexplained)
+        failed_on = health.nodes_the_run_failed_on(summary, plan.nodes) if rc != 0 else []
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
