@@ -221,6 +221,7 @@ TESTBED_LANE_FILES = {
     "test_data_validate.py",
     "test_docs.py",
     "test_gpu_check.py",
+    "test_interrupt.py",  # a Ray of its own per test, started by the command (Ctrl-C reaches all of it)
     "test_recorder.py",
     "test_run_directory.py",
     "test_slurm_plan.py",
