@@ -374,7 +374,7 @@ class Launcher:
         rc = self.wait_for_trainer()
         self.trainer = None
         log.info("trainer exited with code %d; run directory: %s", rc, run_dir)
-        summary = self.summary(run_dir)
+        summary = self.summary(run_dir) if rc != 0 else {}  # read only when it has a failure to explain
         if unexplained := health.ended_without_summary(rc, summary_before, summary):
             log.error("%s", unexplained)
         failed_on = health.nodes_the_run_failed_on(summary, plan.nodes) if rc != 0 else []

@@ -30,11 +30,16 @@ DATA_LOADING_CPUS = 1
 log = logging.getLogger("raytrain_ddp")
 
 
-def connect(address: str, timeout: float) -> None:
-    """Open and close a plain TCP connection to HOST:PORT (or [IPv6]:PORT); raises OSError, or ValueError for
-    an address that is not one. What answers in seconds where Ray's own clients retry for minutes."""
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) as (host, port); ValueError for an address that is not one."""
     host, _, port = address.rpartition(":")
-    socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    return host.strip("[]"), int(port)
+
+
+def connect(host: str, port: int, timeout: float) -> None:
+    """Open and close a plain TCP connection; raises OSError. What answers in seconds where Ray's own clients
+    retry for minutes."""
+    socket.create_connection((host, port), timeout=timeout).close()
 
 
 def init_ray(address: str, **options):
@@ -47,13 +52,13 @@ def init_ray(address: str, **options):
     if address == "local":
         private = _ray_compat.private_local_start()
     elif address != "auto" and "://" not in address:
-        host, _, port = address.rpartition(":")
         try:
-            connect(address, timeout=5)
+            host, port = split_address(address)
+            connect(host, port, timeout=5)
         except (OSError, ValueError) as err:
             why = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ConfigError(f"cannot connect to the Ray cluster at {address}: {why}") from None
-        if _loopback_only(host.strip("[]"), int(port)):
+        if _loopback_only(host, port):
             private = _ray_compat.loopback_only()
     try:
         with private, _ray_compat.workers_know_their_cluster(address, options):
@@ -77,7 +82,7 @@ def _loopback_only(host: str, port: int) -> bool:
     except (OSError, ValueError):
         return False
     try:
-        socket.create_connection((_ray_compat.machine_address(), port), timeout=5).close()
+        connect(_ray_compat.machine_address(), port, timeout=5)
     except OSError:
         return True
     return False

@@ -77,6 +77,7 @@ class NodeWatch:
         self.alive = {node["node_id"]: node for node in nodes}
         self.checked = time.monotonic()
         self.gcs_address = gcs_address
+        self.gcs_host, self.gcs_port = preflight.split_address(gcs_address)
         self.gcs_silent_since: float | None = None
 
     def gcs_silent_for(self) -> float:
@@ -84,7 +85,7 @@ class NodeWatch:
         connect: Ray's own calls wait (up to the 60 s above) instead of failing."""
         self.checked = time.monotonic()
         try:
-            preflight.connect(self.gcs_address, timeout=2)
+            preflight.connect(self.gcs_host, self.gcs_port, timeout=2)
         except OSError:
             self.gcs_silent_since = self.gcs_silent_since or time.monotonic()
             return time.monotonic() - self.gcs_silent_since
