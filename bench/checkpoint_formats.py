@@ -94,8 +94,14 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+# Each rank a fresh process (its peak RSS its own), forked from a server that imported these once: not 4-5 CPU
+# seconds of imports per rank and format
+RANK_IMPORTS = ["torch", "torch.distributed.checkpoint", "raytrain_ddp.models", "raytrain_ddp.worker.checkpoint"]
+
+
 def measure(fmt: str, args: dict) -> dict:
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_IMPORTS)
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as scratch:
         out = Path(scratch) / "result.json"
         ranks = [

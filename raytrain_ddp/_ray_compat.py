@@ -86,6 +86,16 @@ def session_dir() -> str | None:
     return node.get_session_dir_path() if node else None
 
 
+def own_gcs_process() -> Any | None:
+    """The GCS process of the local Ray that this process's ray.init started (a `subprocess.Popen`), or None when
+    it joined a running cluster: Ray's node keeps the processes it started by type."""
+    from ray._private import ray_constants
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    started = getattr(node, "all_processes", {}).get(ray_constants.PROCESS_TYPE_GCS_SERVER) if node else None
+    return started[0].process if started else None
+
+
 @contextlib.contextmanager
 def workers_know_their_cluster(address: str, init_options: dict):
     """Give every worker of the job RAY_ADDRESS, its own cluster's address (added to `init_options`).

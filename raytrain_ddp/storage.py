@@ -208,6 +208,7 @@ def copy_tree(source: RunPath, target: RunPath) -> None:
         shutil.copytree(source, target)
         return
     (source_path, source_fs), (target_path, target_fs) = _fs_path(source), _fs_path(target)
+    target_fs.create_dir(target_path)  # a local target's files are opened in it: it must be there first
     pafs.copy_files(source_path, target_path, source_filesystem=source_fs, destination_filesystem=target_fs)
 
 

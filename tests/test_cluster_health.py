@@ -166,6 +166,7 @@ def test_a_trainer_that_failed_without_writing_its_summary_is_told_apart():
     said = health.ended_without_summary(-9, stopped, stopped)
     assert said and said.startswith("the trainer was killed by SIGKILL (the OOM killer"), said
     assert said.endswith("the same command resumes from the latest checkpoint"), said
+    assert health.ended_without_summary(-11, {}, {}).startswith("the trainer was killed by SIGSEGV (a crash in native")
     assert "Ray ending it because the Ray of its node went away" in health.ended_without_summary(1, {}, {})
     failed = {"status": "failed", "error": "non-finite loss at step 3"}
     assert health.ended_without_summary(1, stopped, failed) is None  # its own summary says why

@@ -2,8 +2,8 @@
 
 Every run file, the checkpoints, the resume, retention and the corrupt-checkpoint fallback go through
 pyarrow.fs to that server, and nothing lands in a local folder named after the scheme. Two Ray runs (DDP's
-full checkpoints from the CLI, FSDP's sharded ones from the FSDP example), each with its resume; the bad inputs fail
-before Ray starts.
+full checkpoints from the CLI, its driver killed, FSDP's sharded ones from the FSDP example), each with its resume;
+the bad inputs fail before Ray starts.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,75 +48,119 @@ def _scheme_folders(*roots: Path) -> list[Path]:
     return [found for root in roots for found in root.rglob("s3:*")]
 
 
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO)}  # run from another directory: nothing lands in the repo
+
+
 def _cli(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # run from another directory: nothing lands in the repo
     return subprocess.run(
-        [sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env()
     )
 
 
+def _latest_checkpoint_of_epoch(fs: pafs.FileSystem, run: str, epoch: int, driver: subprocess.Popen) -> str:
+    """The checkpoint folder Ray Train would resume from, once its snapshot in the bucket records one of `epoch`.
+    Ray Train rewrites the snapshot in place: a read that finds it missing or cut short is a moment too early."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and driver.poll() is None:
+        try:
+            latest = json.loads(_read(fs, f"{run}/checkpoint_manager_snapshot.json"))["latest_checkpoint_result"]
+        except (OSError, ValueError):
+            latest = None
+        if latest and latest["metrics"].get("epoch") == epoch:
+            return latest["checkpoint_dir_name"]
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint of epoch {epoch} in s3://{run} (the driver's exit code: {driver.poll()})")
+
+
 @pytest.mark.ray
-def test_a_run_on_s3_writes_everything_there_and_resumes_past_a_corrupt_checkpoint(ray_address, s3_server, tmp_path):
+def test_a_run_on_s3_whose_driver_died_resumes_past_a_corrupt_checkpoint_and_seeds_a_new_run(
+    ray_address, s3_server, tmp_path
+):
+    """Everything on the bucket. The driver dies mid-run (a crash, an OOM kill, a lost login node) and its newest
+    checkpoint is then cut short on the server: the same command takes the dead driver's lock over, sets the
+    corrupt checkpoint aside (naming it) and resumes from the one before. Report and evaluate read the run from
+    the bucket, and its best checkpoint seeds a new run on local disk (--resume-from)."""
     storage, fs = _storage(s3_server, "runs"), _fs(s3_server)
     run = f"{BUCKET}/runs/on-s3"
     train = ["raytrain_ddp.run", "--address", ray_address, "--storage-path", storage, "--name", "on-s3"]
-    train += ["--train-size", "1024", "--val-size", "256", "--log-every-steps", "4"]
-    first = _cli(tmp_path, *train, "--epochs", "2", "--profile-steps", "2:3", "--record-sample-ids")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "driver.lock is on object storage" in first.stderr  # the lock's limit, said once
-    # what the workers write goes to the bucket too: the profile's files, the ids each rank trained on
+    train += ["--epochs", "3", "--train-size", "2048", "--val-size", "256", "--log-every-steps", "4"]
+    train += ["--profile-steps", "2:3", "--record-sample-ids"]
+    with open(tmp_path / "first.err", "w") as first_err:
+        first = subprocess.Popen(
+            [sys.executable, "-m", *train], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=first_err, env=_env()
+        )
+        try:
+            latest = _latest_checkpoint_of_epoch(fs, run, 2, first)
+        finally:
+            first.kill()  # the driver dies after epoch 2's checkpoint...
+            first.wait()
+    assert "driver.lock is on object storage" in (tmp_path / "first.err").read_text()  # the lock's limit, said once
+    corrupt = f"{run}/{latest}/checkpoint.pt"
+    with fs.open_input_stream(corrupt) as stream:
+        head = stream.read(1000)
+    with fs.open_output_stream(corrupt) as stream:  # ...which is then cut short on the server
+        stream.write(head)
+
+    second = _cli(tmp_path, *train)  # the same command
+    assert second.returncode == 0, second.stderr[-3000:]
+    named = [line for line in second.stderr.splitlines() if "is corrupt" in line]
+    assert len(named) == 1 and f"s3://{corrupt}" in named[0], second.stderr[-3000:]
+    assert fs.get_file_info(f"{run}/corrupt/{latest}/checkpoint.pt").type == pafs.FileType.File  # kept, never loaded
+    # epoch 3 may have been recorded too: the kill lands while the run goes on
+    assert re.search(r"Resuming run on-s3: epochs 1(, 2)?(, 3)? already recorded", second.stderr), second.stderr
+    assert "Resuming from checkpoint " in second.stderr and "(epoch 1)" in second.stderr, second.stderr[-3000:]
+    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2, 3]
+
+    # what the workers wrote went to the bucket too: the profile's files, the ids each rank trained on
     for rank in (0, 1):
         assert json.loads(_read(fs, f"{run}/profile/rank-{rank}.top_ops.json"))["steps"] == [2, 3]
         assert '"traceEvents"' in _read(fs, f"{run}/profile/rank-{rank}.trace.json")
     with fs.open_input_stream(f"{run}/sample_ids/epoch-1-rank-0.npy") as stream:
         ids = np.load(io.BytesIO(stream.read()))
-    assert len(ids) == 512  # rank 0's half of the 1024 training rows
-
+    assert len(ids) == 1024  # rank 0's half of the 2048 training rows
     names = {info.base_name: info for info in fs.get_file_info(pafs.FileSelector(run))}
     for name in ("config.toml", "metrics.jsonl", "steps.jsonl", "summary.json", "driver.log"):
         assert names.get(name) and names[name].type == pafs.FileType.File, (name, sorted(names))
-    assert "driver.lock" not in names  # released
-    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2]
+    assert "driver.lock" not in names  # the dead driver's, taken over, and the second's, released
     assert json.loads(_read(fs, f"{run}/steps.jsonl").splitlines()[0])["step"] == 4
     assert "Run directory: s3://raytrain/runs/on-s3" in _read(fs, f"{run}/driver.log")
     summary = json.loads(_read(fs, f"{run}/summary.json"))
-    assert summary["status"] == "finished" and summary["epochs_completed"] == 2, summary
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
     assert summary["latest_checkpoint"].startswith(f"s3://{run}/checkpoint_"), summary["latest_checkpoint"]
     assert "<html" in _read(fs, f"{run}/report/index.html")
     assert fs.get_file_info(pafs.FileSelector(f"{run}/tensorboard"))  # event files, uploaded at the end
-    checkpoints = sorted(name for name in names if name.startswith("checkpoint_2"))
-    assert len(checkpoints) == 2, sorted(names)
-    assert _scheme_folders(tmp_path, REPO) == []
-
-    # the report and evaluate read the run straight from the bucket, without Ray
-    rebuilt = _cli(tmp_path, "raytrain_ddp.report", summary["run_dir"])
-    assert rebuilt.returncode == 0 and rebuilt.stdout.strip() == f"s3://{run}/report/index.html", rebuilt.stderr
-
-    scored = _cli(tmp_path, "raytrain_ddp.evaluate", summary["best_checkpoint"], "--device", "cpu", "--json")
-    assert scored.returncode == 0, scored.stderr[-3000:]
-    assert json.loads(scored.stdout)["val_accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"])
-
-    # the newest checkpoint is cut short on the server: continuing the run sets it aside, resumes from epoch 1's
-    latest = f"{run}/{checkpoints[-1]}/checkpoint.pt"
-    with fs.open_input_stream(latest) as stream:
-        head = stream.read(1000)
-    with fs.open_output_stream(latest) as stream:
-        stream.write(head)
-    second = _cli(tmp_path, *train, "--epochs", "3")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"Checkpoint s3://{run}/{checkpoints[-1]}/checkpoint.pt" in second.stderr, second.stderr[-3000:]
-    assert "is corrupt" in second.stderr and "(epoch 1)" in second.stderr, second.stderr[-3000:]
-    assert fs.get_file_info(f"{run}/corrupt/{checkpoints[-1]}/checkpoint.pt").type == pafs.FileType.File
-    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2, 3]
-    summary = json.loads(_read(fs, f"{run}/summary.json"))
-    assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
     # retention went through the server too: what is left is what Ray Train's snapshot keeps (best 2 + latest)
     snapshot = json.loads(_read(fs, f"{run}/checkpoint_manager_snapshot.json"))
     kept = {result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]}
     left = {info.base_name for info in fs.get_file_info(pafs.FileSelector(run)) if info.base_name.startswith("checkp")}
     assert left - {"checkpoint_manager_snapshot.json"} == kept and 1 < len(kept) <= 3, (left, kept)
-    assert f"{checkpoints[-1]}" not in kept
+    assert latest not in kept
     assert _scheme_folders(tmp_path, REPO) == []
+
+    # the report and evaluate read the run straight from the bucket, without Ray
+    rebuilt = _cli(tmp_path, "raytrain_ddp.report", summary["run_dir"])
+    assert rebuilt.returncode == 0 and rebuilt.stdout.strip() == f"s3://{run}/report/index.html", rebuilt.stderr
+    scored = _cli(tmp_path, "raytrain_ddp.evaluate", summary["best_checkpoint"], "--device", "cpu", "--json")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert json.loads(scored.stdout)["val_accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"])
+
+    # --resume-from: a new run on local disk starts from the bucket run's best checkpoint, trains the epochs after it
+    checkpoint, epoch = summary["best_checkpoint"], summary["best_metrics"]["epoch"]
+    local = tmp_path / "local-runs"
+    continued = _cli(
+        tmp_path,
+        *("raytrain_ddp.run", "--address", ray_address, "--storage-path", str(local), "--name", "continued"),
+        *("--resume-from", checkpoint, "--epochs", str(epoch + 1), "--train-size", "2048", "--val-size", "256"),
+        *("--no-report", "--no-tensorboard"),
+    )
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    said = next(line for line in continued.stderr.splitlines() if "Starting from checkpoint " in line)
+    assert f"s3://{run}/" in said and f"(epoch {epoch}) of run on-s3" in said, said
+    continued_records = [json.loads(line) for line in (local / "continued" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in continued_records] == [epoch + 1]  # the epochs up to the checkpoint came with it
+    first_loss = json.loads(_read(fs, f"{run}/metrics.jsonl").splitlines()[0])["val_loss"]
+    assert continued_records[0]["val_loss"] < first_loss  # it really carried on from the trained weights
 
 
 @pytest.mark.ray

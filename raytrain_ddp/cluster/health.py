@@ -118,7 +118,13 @@ def ended_without_summary(returncode: int, before: Mapping, after: Mapping) -> s
     if not (returncode == 1 or returncode < 0) or after != before:
         return None
     if returncode < 0:
-        how = f"was killed by {signal.Signals(-returncode).name} (the OOM killer, or a process that sent it)"
+        cause = {
+            signal.SIGKILL: "the OOM killer, or a process that sent it",
+            signal.SIGSEGV: "a crash in native code, or a process that sent it",
+            signal.SIGBUS: "a crash in native code, or a process that sent it",
+            signal.SIGABRT: "an abort in native code, or a process that sent it",
+        }.get(signal.Signals(-returncode), "a process that sent it")
+        how = f"was killed by {signal.Signals(-returncode).name} ({cause})"
     else:
         how = (
             "exited with code 1: a crash (its traceback above), or Ray ending it because the Ray of its node went away"

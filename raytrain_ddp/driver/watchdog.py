@@ -79,6 +79,11 @@ class NodeWatch:
         self.gcs_address = gcs_address
         self.gcs_host, self.gcs_port = preflight.split_address(gcs_address)
         self.gcs_silent_since: float | None = None
+        self.own_gcs = _ray_compat.own_gcs_process()  # a Ray this command started: its GCS cannot come back
+
+    def own_gcs_ended(self) -> bool:
+        """The GCS of the Ray this command started has exited (None while it runs, or when it joined a cluster)."""
+        return self.own_gcs is not None and self.own_gcs.poll() is not None
 
     def gcs_silent_for(self) -> float:
         """Seconds the GCS has refused connections or let them time out; 0 while it accepts them. A plain TCP
@@ -136,14 +141,19 @@ def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
     )
 
 
-def _end_lost_cluster(recorder: RunRecorder, gcs_address: str, silent_s: float) -> None:
+def _end_lost_cluster(recorder: RunRecorder, node_watch: NodeWatch, silent_s: float) -> None:
     """The head node's Ray is gone, and with it the cluster: say so, and end fit() in the main thread as Ctrl-C
     would (nothing of the cluster is left to stop)."""
     recorder.cluster_gone = True
+    if node_watch.own_gcs_ended():
+        why = f"ended (the Ray this command started; exit code {node_watch.own_gcs.returncode})"
+    else:
+        why = (
+            f"has not answered for {silent_s:.0f}s (Ray ended on its head node: the node, its Slurm step or `ray stop`)"
+        )
     recorder.abort_reason = (
-        f"the Ray cluster went away: its GCS at {gcs_address} has not answered for {silent_s:.0f}s (Ray ended on "
-        f"its head node: the node, its Slurm step or `ray stop`); the checkpoints are kept: run the same command "
-        f"again to resume"
+        f"the Ray cluster went away: its GCS at {node_watch.gcs_address} {why}; the checkpoints are kept: run the "
+        f"same command again to resume"
     )
     log.error("Giving up: %s", recorder.abort_reason)
     _thread.interrupt_main()
@@ -168,10 +178,11 @@ def watch(
                 _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
                 continue
             if time.monotonic() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
-                if silent_s := node_watch.gcs_silent_for():
-                    if silent_s > CLUSTER_GONE_S:
-                        _end_lost_cluster(recorder, node_watch.gcs_address, silent_s)
-                        break
+                silent_s = node_watch.gcs_silent_for()
+                if silent_s > CLUSTER_GONE_S or node_watch.own_gcs_ended():
+                    _end_lost_cluster(recorder, node_watch, silent_s)
+                    break
+                if silent_s:
                     continue  # Ray's calls would wait for it
                 _note_node_changes(config, recorder, node_watch)
             drained = drained or monitor.drain.remote()
