@@ -110,6 +110,15 @@ def nodes_the_run_failed_on(summary: Mapping, nodes: list[str]) -> list[str]:
     return [n for n in nodes if n.split(".")[0] in short]
 
 
+# Who most likely sent a signal that ended a process, beside someone who sent it by hand
+LIKELY_SENDER = {
+    signal.SIGKILL: "the OOM killer",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGBUS: "a crash in native code",
+    signal.SIGABRT: "an abort in native code",
+}
+
+
 def ended_without_summary(returncode: int, before: Mapping, after: Mapping) -> str | None:
     """The launcher's line for a trainer cut short before it wrote its summary (`before`: the run's summary
     when the trainer started, {} for none), else None. Ray ends a driver at once, with exit code 1 and no word
@@ -118,13 +127,9 @@ def ended_without_summary(returncode: int, before: Mapping, after: Mapping) -> s
     if not (returncode == 1 or returncode < 0) or after != before:
         return None
     if returncode < 0:
-        cause = {
-            signal.SIGKILL: "the OOM killer, or a process that sent it",
-            signal.SIGSEGV: "a crash in native code, or a process that sent it",
-            signal.SIGBUS: "a crash in native code, or a process that sent it",
-            signal.SIGABRT: "an abort in native code, or a process that sent it",
-        }.get(signal.Signals(-returncode), "a process that sent it")
-        how = f"was killed by {signal.Signals(-returncode).name} ({cause})"
+        killer = signal.Signals(-returncode)
+        likely = LIKELY_SENDER.get(killer)
+        how = f"was killed by {killer.name} ({f'{likely}, or ' if likely else ''}a process that sent it)"
     else:
         how = (
             "exited with code 1: a crash (its traceback above), or Ray ending it because the Ray of its node went away"
