@@ -39,6 +39,7 @@ WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # how often the controller polls its workers
 PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"  # the driver feeds the Train state actor the dashboard reads
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # an actor per run watching Ray's node drains
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # where Ray's clients (the state API too) find the cluster
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # a local start's GCS port (ray._private.ray_constants)

@@ -51,6 +51,8 @@ def test_names_match_the_installed_ray_trains():
     assert _ray_compat.PRINT_PATCH_ENV == constants.ENABLE_PRINT_PATCH_ENV_VAR
     assert _ray_compat.HEALTH_CHECK_INTERVAL_ENV == constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR
     assert _ray_compat.HEALTH_CHECK_INTERVAL_ENV in constants.ENV_VARS_TO_PROPAGATE  # the driver's reaches it
+    assert _ray_compat.PREEMPTION_WATCHER_ENV == constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR
+    assert _ray_compat.PREEMPTION_WATCHER_ENV in constants.ENV_VARS_TO_PROPAGATE
     assert _ray_compat.SNAPSHOT_FILE == constants.CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
 

@@ -69,6 +69,20 @@ def test_console_says_dashboard_global_batch_and_table(default_run):
     assert "WARNING" not in result.stderr and "INFO" not in result.stderr  # none of Ray's own lines
 
 
+def test_a_run_starts_no_actor_it_does_not_use(default_run):
+    """Ray Train's PreemptionWatcher (Ray's node drains, for ray.train.get_preemption_info) stays off: the run's
+    own Ray session logs one worker file per actor process, each naming its actor."""
+    _, run_dir, *_ = default_run
+    actors = {
+        line.removeprefix(":actor_name:")
+        for path in (run_dir / "ray-logs").glob("worker-*.out")
+        for line in path.read_text(errors="replace").splitlines()[:3]
+        if line.startswith(":actor_name:")
+    }
+    assert {"TrainController", "RayTrainWorker", "RunMonitor"} <= actors, actors
+    assert "PreemptionWatcher" not in actors, actors
+
+
 def test_default_run_learns(default_run):
     *_, summary, epochs = default_run
     assert summary["status"] == "finished" and summary["epochs_completed"] == SHARED_EPOCHS
