@@ -445,12 +445,19 @@ def network_check(plan: JobPlan, index: int, ip: str, terms: list[float]) -> boo
         server.close()
 
 
+def gcs_listens(plan: JobPlan) -> bool:
+    """Whether the head's GCS port takes a TCP connection within a second."""
+    try:
+        socket.create_connection((plan.head_ip, plan.ports.gcs), 1).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_for_gcs(plan: JobPlan) -> None:
     """A worker's `ray start` only once the head's GCS listens (the nodes' steps start together)."""
     deadline = time.monotonic() + float(os.environ.get("RAYTRAIN_HEAD_TIMEOUT", "120"))
     while time.monotonic() < deadline and not (Path(plan.job_dir) / "stop").exists():
-        try:
-            socket.create_connection((plan.head_ip, plan.ports.gcs), 1).close()
+        if gcs_listens(plan):
             return
-        except OSError:
-            time.sleep(0.5)
+        time.sleep(0.5)

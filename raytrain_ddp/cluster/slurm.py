@@ -32,6 +32,7 @@ from raytrain_ddp.cluster.node import (
     LaunchError,
     Stop,
     catches,
+    gcs_listens,
     log,
     node_ip,
     port_busy,
@@ -476,11 +477,8 @@ class Launcher:
         plan = self.plan
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                socket.create_connection((plan.head_ip, plan.ports.gcs), 1).close()
+            if gcs_listens(plan):
                 return
-            except OSError:
-                pass
             if self.steps[0].poll() is not None:
                 raise LaunchError(
                     self.node_error(0)
