@@ -214,9 +214,9 @@ def _make_trainer(
 ) -> TorchTrainer:
     os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
     os.environ.setdefault(_ray_compat.HEALTH_CHECK_INTERVAL_ENV, str(CONTROLLER_POLL_S))
-    # Ray Train's PreemptionWatcher is one more actor process per run (about 3 CPU seconds of a run's start on two
-    # cores) for ray.train.get_preemption_info(), which this loop does not read: a Slurm preemption arrives as a
-    # signal (driver/signals.py). A user's own setting is kept.
+    # Ray Train's PreemptionWatcher is one more actor process per run (2-3 CPU seconds of a run's start on two
+    # cores: docs/benchmarks.md) for ray.train.get_preemption_info(), which this loop does not read: a Slurm
+    # preemption arrives as a signal (driver/signals.py). A user's own setting is kept.
     os.environ.setdefault(_ray_compat.PREEMPTION_WATCHER_ENV, "0")
     # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
     # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
