@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from raytrain_ddp.cluster import plan
-from raytrain_ddp.cluster.node import catches
+from raytrain_ddp.cluster.node import catches, port_busy
 from raytrain_ddp.cluster.plan import Ports
 from raytrain_ddp.errors import ConfigError
 
@@ -91,6 +92,35 @@ def test_gpu_mismatch_is_one_line_naming_the_node():
     assert plan.gpu_mismatch("n1", "0", 0) is None
     line = plan.gpu_mismatch("n1", "0,1", 3)
     assert line and "\n" not in line and "n1" in line and "3 GPU" in line and "lists 2" in line
+
+
+def _time_wait_only(reuse: bool) -> int:
+    """A loopback port whose server closed its connection first and stopped listening: only TIME_WAIT is left
+    (the server with SO_REUSEADDR, as Ray's gRPC and aiohttp servers listen, or without)."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side first: TIME_WAIT is on `port`
+        client.recv(1)
+    server.close()
+    return port
+
+
+def test_a_port_an_earlier_ray_left_in_time_wait_is_free_and_one_listened_on_is_busy():
+    """A requeued job keeps its derived block (and its dashboard port) though the GCS it ran a minute ago left
+    connections in TIME_WAIT; a listener, or what a server without SO_REUSEADDR left, still moves it on."""
+    port = _time_wait_only(reuse=True)
+    assert not port_busy(port)
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        assert port_busy(port)
+    assert port_busy(_time_wait_only(reuse=False))
 
 
 def test_ports_derive_from_the_job_id_and_wrap():

@@ -197,9 +197,13 @@ def interface_of(addr: str) -> str | None:
 
 
 def port_busy(port: int) -> bool:
-    """Whether `port` cannot be bound here (IPv4, and IPv6 where the node has it)."""
+    """Whether Ray could not listen on `port` here (IPv4, and IPv6 where the node has it).
+
+    With SO_REUSEADDR, as Ray's servers (gRPC, aiohttp) bind: a listener makes a port busy, an earlier job's
+    connections left in TIME_WAIT do not (else a requeued job, whose block is its job id's, would move off it)."""
     for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((addr, port))
             except OSError as err:
