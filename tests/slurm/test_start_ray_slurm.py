@@ -340,8 +340,8 @@ def test_preemption_while_ray_starts_checkpoints_requeues_and_the_requeued_job_r
     assert again, show(job)  # the same job id ran again...
     assert f"run directory: {run_dir}" in again, show(job)  # ...in the same run dir
     # ...on the same ports (its dashboard URL stays), though its first run's connections are still in TIME_WAIT
-    ports = re.findall(r"ports: gcs \d+.*", first)
-    assert len(ports) == 1 and re.findall(r"ports: gcs \d+.*", again) == ports, show(job)
+    first_ports, again_ports = (re.findall(r"ports: gcs \d+.*", part) for part in (first, again))
+    assert len(first_ports) == 1 and again_ports == first_ports, show(job)
     assert "Resuming from checkpoint " in again, show(job)
     assert "trainer exited with code 0" in again, show(job)
     assert [json.loads(l)["epoch"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(
