@@ -211,6 +211,29 @@ def test_in_training_the_rank_that_started_fewer_micro_batches_is_the_stuck_one(
     assert liveness.any_rank_compiling
 
 
+def test_a_start_slower_than_the_grace_is_said_as_a_start_and_a_silent_started_rank_is_a_hang(tmp_path, caplog):
+    from raytrain_ddp.driver.watchdog import _end_stalled_attempt
+
+    config = TrainConfig(num_workers=2, storage_path=str(tmp_path), name="unit")
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+    _quiet_for_a_while(recorder.liveness)
+    with caplog.at_level("WARNING", logger="raytrain_ddp"):
+        _end_stalled_attempt(recorder, 120)  # no worker has started: nothing to name, nothing is a hang
+    assert recorder.liveness.hangs == [] and recorder.liveness.silent_for() < 1000
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (
+        "Watchdog: no worker has started in 120s; Ray Train is still starting them (new processes importing torch, "
+        "slow on a busy node); waiting on"
+    )
+    # a worker that started and never reported is named; with no position to compare, none is ended
+    recorder.consume([("started", 1, {"rank": 1, "world_size": 2, "hostname": "h1", "node_id": "n"})])
+    _end_stalled_attempt(recorder, 120)
+    [verdict] = recorder.liveness.hangs
+    assert verdict == "no rank made progress for 120s; last seen: rank 1 on h1: no news since it started"
+    assert recorder.liveness.stuck_nodes == []
+
+
 def test_the_recorder_turns_a_whole_epoch_into_metrics_jsonl_and_counts_restarts(tmp_path, caplog):
     config = TrainConfig(num_workers=2, epochs=2, storage_path=str(tmp_path), name="unit")
     config.run_dir.mkdir(parents=True)

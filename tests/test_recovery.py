@@ -74,8 +74,7 @@ def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray
     elapsed = time.monotonic() - started
     assert not result.ok
     assert _epochs(tmp_path / "stalled") == [1]  # the slow validation pass was no hang
-    *slow_start, verdict = result.summary["hangs"]  # the verdict that ended it comes last
-    assert all(v.endswith("no worker has reported yet") for v in slow_start)  # a start a busy machine slowed: said
+    [verdict] = result.summary["hangs"]  # a start a busy machine slowed is no hang (a warning says so)
     # the stuck rank leads, named with where it stopped...
     assert verdict.startswith("no rank made progress for 20s; last seen: rank 1 on ")
     assert ": validating (2 batches done), epoch 2 step " in verdict

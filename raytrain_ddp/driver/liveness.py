@@ -104,4 +104,4 @@ class Liveness:
             )
         silent = [r for r in sorted(workers) if r not in self.positions]
         parts += [f"rank {r} on {workers[r].get('hostname', '?')}: no news since it started" for r in silent]
-        return "; ".join(parts) or "no worker has reported yet"
+        return "; ".join(parts)

@@ -52,10 +52,19 @@ def _kill_process(pid: int) -> None:
 def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
     """The watchdog's verdict: name the stuck rank, then end it so Ray Train restarts from the checkpoint."""
     liveness = recorder.liveness
+    liveness.heard()  # the restarted attempt (or the start still under way) gets a full timeout of its own
+    # Nothing to name or end while Ray Train starts the workers: a placement that never comes ends in Ray Train
+    # (fit.WORKER_GROUP_PLACEMENT_WAIT_S, then its retries), a node that left in the capacity verdict.
+    if not recorder.workers and not liveness.any_rank_reported:
+        log.warning(
+            "Watchdog: no worker has started in %ds; Ray Train is still starting them (new processes importing "
+            "torch, slow on a busy node); waiting on",
+            hang_timeout_s,
+        )
+        return
     verdict = f"no rank made progress for {hang_timeout_s}s; last seen: {liveness.describe_stall(recorder.workers)}"
     log.error("Watchdog: %s", verdict)
     liveness.hangs.append(verdict)
-    liveness.heard()  # the restarted attempt gets a full timeout of its own
     worker = recorder.workers.get(liveness.stuck_rank())
     if worker is None:
         return
