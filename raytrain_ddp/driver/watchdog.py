@@ -50,7 +50,8 @@ def _kill_process(pid: int) -> None:
 
 
 def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
-    """The watchdog's verdict: name the stuck rank, then end it so Ray Train restarts from the checkpoint."""
+    """The watchdog's verdict: name the stuck rank, then end it so Ray Train restarts from the checkpoint; before
+    any worker has started, only say that the start is slow."""
     liveness = recorder.liveness
     liveness.heard()  # the restarted attempt (or the start still under way) gets a full timeout of its own
     # Nothing to name or end while Ray Train starts the workers: a placement that never comes ends in Ray Train
