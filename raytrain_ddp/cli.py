@@ -20,6 +20,12 @@ def _train(argv: list[str]) -> int:
     return run.main(argv, prog=f"{PROG} train")
 
 
+def _launch(argv: list[str]) -> int:
+    from raytrain_ddp import launch
+
+    return launch.main(argv, prog=f"{PROG} launch")
+
+
 def _data(command: str) -> Callable[[list[str]], int]:
     def data_main(argv: list[str]) -> int:
         from raytrain_ddp.data import cli
@@ -62,6 +68,11 @@ def _slurm(argv: list[str]) -> int:
 # name: (what it does, its entry point, an example)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int], str]] = {
     "train": ("train a model on the Ray cluster (python -m raytrain_ddp.run)", _train, "train --num-workers 2"),
+    "launch": (
+        "run your own training script on every worker, as torchrun would",
+        _launch,
+        "launch --num-workers 2 train.py --epochs 3",
+    ),
     "prepare": (
         "convert images, CIFAR-10 or a CSV file into a Parquet dataset",
         _data("prepare"),

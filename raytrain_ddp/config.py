@@ -78,6 +78,14 @@ class TrainConfig:
             "(default: cross-entropy over the last dimension)"
         ),
     )
+    task: str | None = field(
+        default=None,
+        metadata=_flag(
+            "your own step in the built-in loop, as an import path pkg.module:Task: a class (made with no arguments, "
+            "or with the config) with training_step(model, batch) -> loss and validation_step(model, batch) -> "
+            "{name: sum over the batch, 'count': rows} (see docs/launch.md)"
+        ),
+    )
     data: str | None = field(
         default=None,
         metadata=_flag("Parquet dataset directory with train/ and val/ (see `python -m raytrain_ddp.data`)"),
@@ -301,9 +309,15 @@ class TrainConfig:
         return bool(self.data or self.train_data)
 
     def checkpoint_ranking(self, data_kind: str) -> tuple[str, str]:
-        """(metric, "min" or "max") by which checkpoints are kept: the flags, else the data kind's default."""
-        metric = self.checkpoint_metric or ("val_loss" if data_kind == "tokens" else "val_accuracy")
+        """(metric, "min" or "max") by which checkpoints are kept: the flags, else the data kind's default (a
+        --task's: val_loss, the mean of the "loss" its validation_step sums)."""
+        metric = self.checkpoint_metric or ("val_loss" if data_kind == "tokens" or self.task else "val_accuracy")
         return metric, self.checkpoint_mode or ("min" if metric.endswith("loss") else "max")
+
+    def _checked_metric(self) -> str:
+        """--checkpoint-metric as validate() checks it: a --task's val_NAME (what its validation_step sums) passes."""
+        metric = self.checkpoint_metric or VALIDATION_METRICS[0]
+        return VALIDATION_METRICS[0] if self.task and metric.startswith("val_") else metric
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -348,7 +362,7 @@ class TrainConfig:
             ("--strategy", self.strategy, STRATEGIES),
             ("--precision", self.precision, PRECISIONS),
             ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
-            ("--checkpoint-metric", self.checkpoint_metric or VALIDATION_METRICS[0], VALIDATION_METRICS),
+            ("--checkpoint-metric", self._checked_metric(), VALIDATION_METRICS),
             ("--checkpoint-mode", self.checkpoint_mode or CHECKPOINT_MODES[0], CHECKPOINT_MODES),
             ("--checkpoint-format", self.checkpoint_format, CHECKPOINT_FORMATS),
         ):
@@ -359,6 +373,8 @@ class TrainConfig:
                 )
         if self.loss is not None and not is_import_path(self.loss):
             raise ConfigError(f"--loss {self.loss!r} is not an import path like pkg.module:fn")
+        if self.task is not None and not is_import_path(self.task):
+            raise ConfigError(f"--task {self.task!r} is not an import path like pkg.module:Task")
         _check_profile_steps(self.profile_steps)
         if self.data and (self.train_data or self.val_data):
             raise ConfigError("give either --data DIR or --train-data/--val-data, not both")
@@ -528,11 +544,11 @@ def load_toml(path: str) -> dict:
     return values
 
 
-def to_toml(config: TrainConfig) -> str:
-    """The config as a TOML file that `--config` reads back (None values are left out)."""
+def to_toml(config: TrainConfig, only: tuple[str, ...] | None = None) -> str:
+    """The config as a TOML file that `--config` reads back (None values are left out; `only` these fields)."""
     lines = []
     for key, value in config.to_dict().items():
-        if value is None:
+        if value is None or (only is not None and key not in only):
             continue
         if isinstance(value, bool):
             text = "true" if value else "false"

@@ -69,3 +69,27 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]  # exits, as argparse's does
         self.exit(EXIT_BAD_INPUT, f"error: {message} (see --help)\n")
+
+
+class ScriptFailed(Exception):
+    """A launched script's rank exited with an error: the message is its own `Type: message` (read from its
+    traceback), the exit code and its log, as the run's one line shows them. `exited_at`: when (time.time()),
+    which tells the first failure (the cause) from the ranks that failed because of it."""
+
+    def __init__(self, message: str, exited_at: float = 0.0) -> None:
+        super().__init__(message)
+        self.exited_at = exited_at
+
+    def __reduce__(self):
+        return type(self), (str(self), self.exited_at)
+
+
+class ScriptKilled(ScriptFailed):
+    """A launched script's rank was ended by a signal it did not ask for (SIGKILL, the OOM killer, a crash): a
+    lost process, which --max-restarts restarts."""
+
+
+def failure_line(exc: BaseException) -> str:
+    """A failure from inside a run as one line: a launched script's says what its rank raised, anything else
+    `Type: first line`."""
+    return first_line(exc) if isinstance(exc, ScriptFailed) else headline(exc)

@@ -75,3 +75,19 @@ def describe(fn: Callable) -> str:
 def make_loss(obj: Callable) -> Callable:
     """A loss given as a class (nn.CrossEntropyLoss) is instantiated; a function is used as is."""
     return cast(Callable, obj()) if inspect.isclass(obj) else obj
+
+
+TASK_METHODS = ("training_step", "validation_step")
+
+
+def make_task(task: Any, config: Any, label: str) -> Any:
+    """The --task object: a class is made with the config when its constructor takes an argument, else with none;
+    an object is used as it is. ConfigError when it lacks training_step or validation_step."""
+    if inspect.isclass(task):
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        takes_config = any(p.kind in positional for p in inspect.signature(task).parameters.values())
+        task = call_plugin(task, "--task", label, *([config] if takes_config else []))
+    missing = [name for name in TASK_METHODS if not callable(getattr(task, name, None))]
+    if missing:
+        raise ConfigError(f"--task {label}: {type(task).__name__} has no {' or '.join(missing)} method")
+    return task

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import MISSING, fields
+from typing import TYPE_CHECKING
 
 from raytrain_ddp.config import TrainConfig, _field_type, load_toml
 from raytrain_ddp.driver.signals import hold_early_stop_signals
@@ -22,6 +24,9 @@ from raytrain_ddp.errors import (  # noqa: F401 (EXIT_BAD_INPUT: the exit codes,
     one_line,
 )
 from raytrain_ddp.redact import RedactFilter
+
+if TYPE_CHECKING:
+    from raytrain_ddp.driver.fit import FitResult
 
 PROG = "python -m raytrain_ddp.run"
 # argparse writes the command's name for %(prog)s: `python -m raytrain_ddp.run` or `raytrain-ddp train`
@@ -45,26 +50,37 @@ exit codes:
 EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 75, 130  # EXIT_BAD_INPUT (2) comes with the one-line errors
 
 
-def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = PROG,
+    description: str = "Data-parallel PyTorch training on a Ray cluster (one worker per GPU or CPU slot).",
+    epilog: str = EXAMPLES,
+    only: tuple[str, ...] | None = None,
+    flag_names: dict[str, str] | None = None,
+) -> argparse.ArgumentParser:
+    """The trainer's flags, one per TrainConfig field (`only` these; `flag_names`: a field's flag under another
+    name, as `raytrain-ddp launch` calls max_failures --max-restarts, torchrun's word)."""
     parser = OneLineErrorParser(
         prog=prog,
-        description="Data-parallel PyTorch training on a Ray cluster (one worker per GPU or CPU slot).",
-        epilog=EXAMPLES,
+        description=description,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only flags the user typed reach the config
         allow_abbrev=False,  # `--stor` must not silently mean --storage-path
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file of these settings; flags override it")
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        if only is not None and f.name not in only:
+            continue
+        flag = (flag_names or {}).get(f.name) or "--" + f.name.replace("_", "-")
         kind = _field_type(f)
         default = None if f.default is MISSING else f.default
         help_text = f"{f.metadata['help']} (default: {default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(
                 flag,
+                dest=f.name,
                 type=kind,
                 choices=f.metadata.get("choices"),
                 metavar=f.metadata.get("metavar", f.name.upper()),
@@ -93,15 +109,25 @@ def config_from_args(argv: list[str] | None = None, prog: str = PROG) -> TrainCo
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """prog: the command's name in --help (`raytrain-ddp train` calls this too)."""
+
+    def train():
+        config = config_from_args(argv, prog).validate()
+        from raytrain_ddp.driver.fit import fit  # imports Ray and torch: after the cheap checks
+
+        return fit(config)
+
+    return run_command(train)
+
+
+def run_command(run: Callable[[], FitResult]) -> int:
+    """A run from the command line (`train`, `launch`): the console set up, its outcome as the exit code, bad
+    input as one line."""
     hold_early_stop_signals()  # before torch and Ray import: a Slurm USR1 then must not kill us
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:  # the console: Ray's and every module's lines, credentials masked
         handler.addFilter(RedactFilter())
     try:
-        config = config_from_args(argv, prog).validate()
-        from raytrain_ddp.driver.fit import fit  # imports Ray and torch: after the cheap checks
-
-        result = fit(config)
+        result = run()
     except ConfigError as err:
         return bad_input(err)
     except RunTakenOver as err:  # another driver went on with this run directory; this run stopped

@@ -30,6 +30,8 @@ CASES = [
     ("zero-peak", ["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
     ("negative-warmup", ["--warmup-epochs", "-1"], "--warmup-epochs must be >= 0"),
     ("loss-not-a-path", ["--loss", "mse"], "--loss 'mse' is not an import path like pkg.module:fn"),
+    ("task-not-a-path", ["--task", "regression"], "--task 'regression' is not an import path like pkg.module:Task"),
+    ("task-without-its-steps", ["--task", "json:JSONDecoder"], "--task 'json:JSONDecoder': JSONDecoder has no "),
     (
         "model-module-missing",
         ["--model", "nosuchpkg.models:build"],
@@ -434,6 +436,7 @@ def test_command_help_names_every_command(capsys):
     "command, flags",
     [
         ("train", ["--num-workers", "--config", "--use-gpu", "--storage-path"]),
+        ("launch", ["SCRIPT.py", "--num-workers", "--max-restarts", "--tee", "--hang-timeout-s", "exit codes"]),
         ("prepare", ["--from", "--out", "--val-fraction", "--label-column"]),
         ("inspect", ["path"]),
         ("evaluate", ["checkpoint", "--device", "--json"]),
@@ -460,7 +463,7 @@ def test_command_without_a_known_command_is_one_line_naming_them(capsys, args, w
     code, out, err = command_main(args, capsys)
     assert code == 2 and not out and err.count("\n") == 1
     assert err.startswith("error: ") and what in err
-    assert "choose one of: train, prepare, inspect, evaluate, checkpoint, report, status, slurm" in err
+    assert "choose one of: train, launch, prepare, inspect, evaluate, checkpoint, report, status, slurm" in err
 
 
 @pytest.mark.parametrize("args", [["--num-workers", "0"], ["--num-gpus", "2"], ["--epochs", "three"]])

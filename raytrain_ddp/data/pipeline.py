@@ -205,7 +205,8 @@ class DataPlan:
 
 
 def plugin_plan(config: TrainConfig, dataset_fn, label: str) -> DataPlan:
-    """Call a dataset plug-in (Ray is up) and check what it returned; raises ConfigError."""
+    """Call a dataset plug-in (Ray is up) and check what it returned; raises ConfigError. Its rows hold x and y,
+    unless a --task reads them (then any columns)."""
     flag = f"--dataset {label}"
     datasets = call_plugin(dataset_fn, "--dataset", label, config)
     if not (
@@ -218,6 +219,11 @@ def plugin_plan(config: TrainConfig, dataset_fn, label: str) -> DataPlan:
             "{'train': ray.data.Dataset, 'val': ray.data.Dataset}"
         )
     sample = call_plugin(lambda: datasets["train"].take_batch(256, batch_format="numpy"), "--dataset", label)
+    if config.task and not {"x", "y"} <= set(sample):
+        rows = (datasets["train"].count(), datasets["val"].count())
+        return DataPlan(
+            DataSpec("custom", (), 0, *rows), plugin_datasets={"train": datasets["train"], "val": datasets["val"]}
+        )
     missing = {"x", "y"} - set(sample)
     if missing:
         raise ConfigError(

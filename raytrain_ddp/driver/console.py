@@ -7,12 +7,27 @@ import statistics
 import sys
 import time
 
+from raytrain_ddp.driver.epochs import validation_names
+
 log = logging.getLogger("raytrain_ddp")
 
-TABLE_HEADER = (
-    f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {'val loss':>8}  {'val acc':>7}  "
-    f"{'samples/s':>9}  {'time':>6}"
-)
+BUILTIN_VALIDATION = ("val_loss", "val_accuracy")  # the built-in loop's columns; a --task's are its own names
+
+
+def _header(validation: list[str]) -> str:
+    columns = "  ".join(f"{_column_name(name):>{_width(name)}}" for name in validation)
+    return f"{'epoch':>5}  {'train loss (min..max over ranks)':<32} {columns}  {'samples/s':>9}  {'time':>6}"
+
+
+def _column_name(name: str) -> str:
+    return "val acc" if name == "val_accuracy" else name.replace("_", " ")
+
+
+def _width(name: str) -> int:
+    return max(7, len(_column_name(name)))
+
+
+TABLE_HEADER = _header(list(BUILTIN_VALIDATION))
 
 
 class Console:
@@ -28,14 +43,25 @@ class Console:
         """One epoch's row, the header before the first; a progress line on screen is cleared first."""
         if self.interactive and progress_shown:
             sys.stderr.write("\r\033[K")
+        validation = validation_names(r) or list(BUILTIN_VALIDATION)
         if not self._table_started:
-            log.info(TABLE_HEADER)
+            log.info(_header(validation))
             self._table_started = True
         spread = f"{r['train_loss']:.4f} ({r['train_loss_min']:.4f}..{r['train_loss_max']:.4f})"
-        log.info(
-            f"{r['epoch']:>5}  {spread:<32} {r['val_loss']:>8.4f}  {r['val_accuracy']:>7.4f}  "
-            f"{r['samples_per_second']:>9,.0f}  {r['seconds']:>5.1f}s"
-        )
+        figures = "  ".join(f"{r[name]:>{_width(name)}.4f}" for name in validation)
+        log.info(f"{r['epoch']:>5}  {spread:<32} {figures}  {r['samples_per_second']:>9,.0f}  {r['seconds']:>5.1f}s")
+
+    def show_report(self, record: dict) -> None:
+        """A step a launched script reported on every rank: its figures (mean over ranks, and their range)."""
+        spread = {k[: -len("_per_rank")] for k in record if k.endswith("_per_rank")}
+        derived = {f"{k}{suffix}" for k in spread for suffix in ("_min", "_max", "_per_rank")}
+        figures = [
+            f"{key} {value:.6g}"
+            + (f" ({record[key + '_min']:.6g}..{record[key + '_max']:.6g})" if key in spread else "")
+            for key, value in record.items()
+            if key not in ("step", "world_size") and key not in derived
+        ]
+        log.info("step %d: %s", record["step"], ", ".join(figures))
 
     def progress_line(self, positions: dict[int, dict], steps_per_epoch: int) -> str | None:
         """Step, samples/s, ETA and mean loss of the epoch in flight, over all ranks (`positions`: each rank's

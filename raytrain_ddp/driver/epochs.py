@@ -27,11 +27,9 @@ def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
         "train_loss_min": min(losses),
         "train_loss_max": max(losses),
         "train_loss_per_rank": losses,
-        "val_loss": first["val_loss"],
-        "val_accuracy": first["val_accuracy"],
+        **{name: first[name] for name in validation_names(first)},
         "val_rows": first["val_rows"],
-        "val_loss_per_rank": [m["val_loss"] for m in ranks],
-        "val_accuracy_per_rank": [m["val_accuracy"] for m in ranks],
+        **{f"{name}_per_rank": [m[name] for m in ranks] for name in validation_names(first)},
         "val_identical_across_ranks": len(validation_results(ranks)) == 1,
         "world_size": len(ranks),
         "global_batch_size": config.global_batch_for(len(ranks)),
@@ -86,9 +84,33 @@ def aggregate_step(by_rank: dict[int, dict]) -> dict:
     }
 
 
-def validation_results(ranks: list[dict]) -> list[tuple[float, float]]:
-    """The distinct (val_loss, val_accuracy) pairs the ranks report: one when validation agrees, as it must."""
-    return sorted({(m["val_loss"], m["val_accuracy"]) for m in ranks})
+def aggregate_report(by_rank: dict[int, dict]) -> dict:
+    """The cross-rank record of one step a launched script reported (raytrain_ddp.session.report): each figure's
+    mean over the ranks, and its spread where the ranks differ."""
+    ranks = [by_rank[r] for r in sorted(by_rank)]
+    record: dict = {"step": ranks[0]["step"], "world_size": len(ranks)}
+    for key in sorted({key for m in ranks for key in m} - {"step"}):
+        values = [m[key] for m in ranks if key in m]
+        record[key] = sum(values) / len(values)
+        if min(values) != max(values):
+            record[f"{key}_min"], record[f"{key}_max"], record[f"{key}_per_rank"] = min(values), max(values), values
+    return record
+
+
+def validation_names(metrics: dict) -> list[str]:
+    """The validation figures of a rank's message or an epoch record: val_loss and val_accuracy, or a --task's
+    val_NAME (not the row count, the per-rank lists or the agreement flag)."""
+    return [
+        name
+        for name, value in metrics.items()
+        if name.startswith("val_") and name != "val_rows" and type(value) in (int, float)
+    ]
+
+
+def validation_results(ranks: list[dict]) -> list[tuple[float, ...]]:
+    """The distinct validation results (val_loss, val_accuracy...) the ranks report: one when validation agrees,
+    as it must."""
+    return sorted({tuple(m[name] for name in validation_names(m)) for m in ranks})
 
 
 def find_stragglers(record: dict) -> list[dict]:

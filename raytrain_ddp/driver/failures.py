@@ -16,7 +16,7 @@ import ray.exceptions
 from ray.train import WorkerGroupError
 
 from raytrain_ddp import _ray_compat
-from raytrain_ddp.errors import DataReadError, headline
+from raytrain_ddp.errors import DataReadError, ScriptFailed, ScriptKilled, failure_line
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
 DETERMINISTIC_TYPES = (
@@ -44,6 +44,7 @@ PROCESS_LOST_TYPES = (
     ray.exceptions.NodeDiedError,
     ray.exceptions.OutOfMemoryError,
     ray.exceptions.ObjectLostError,
+    ScriptKilled,
 )
 
 
@@ -81,9 +82,27 @@ def describe_failure(error: BaseException) -> str:
     """The console's and summary's line for a failed run: per failed rank, the error its code raised (a data
     error says which file and row group), as `Type: first line`, not the last line of Ray's traceback."""
     failures = error.worker_failures if isinstance(error, WorkerGroupError) else {}
-    if failures:
-        return "; ".join(f"rank {rank}: {headline(_unwrapped(exc))}" for rank, exc in sorted(failures.items()))
-    return headline(_unwrapped(error))
+    if not failures:
+        return failure_line(_unwrapped(error))
+    failures = {rank: _unwrapped(exc) for rank, exc in failures.items()}
+    if all(isinstance(exc, ScriptFailed) for exc in failures.values()):
+        return _first_script_failure(failures)
+    ranks_by_line: dict[str, list[int]] = {}  # ranks that failed alike are named once, together
+    for rank, exc in sorted(failures.items()):
+        ranks_by_line.setdefault(failure_line(exc), []).append(rank)
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {line}"
+        for line, ranks in ranks_by_line.items()
+    )
+
+
+def _first_script_failure(failures: dict[int, ScriptFailed]) -> str:
+    """Launched ranks: the first to fail is the cause (the others most often failed in a collective with it),
+    as torchrun names its "root cause"."""
+    first = min(failures, key=lambda rank: (failures[rank].exited_at, rank))
+    others = sorted(set(failures) - {first})
+    then = f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} too" if others else ""
+    return f"rank {first}: {failure_line(failures[first])}{then}"
 
 
 def _unwrapped(error: BaseException) -> BaseException:

@@ -37,7 +37,7 @@ from raytrain_ddp.driver.watchdog import NodeWatch, watch
 from raytrain_ddp.errors import ConfigError, RunTakenOver, one_line
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
-from raytrain_ddp.plugins import describe, import_root, load_object
+from raytrain_ddp.plugins import describe, import_root, load_object, make_task
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
 from raytrain_ddp.storage import RemotePath, RunPath, Spool, stored, uri_of
@@ -142,26 +142,19 @@ def _pythonpath(import_roots: Sequence[str]) -> dict:
     return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
 
 
-def _describe_start(
-    config: TrainConfig, dashboard_url: str | None, nodes: list[dict], workers: int, spec: DataSpec
-) -> None:
+def _describe_cluster(config: TrainConfig, dashboard_url: str | None, nodes: list[dict]) -> None:
     log.info("Ray cluster: %d node(s): %s", len(nodes), preflight.describe(nodes))
     if dashboard_url:
         log.info("Ray dashboard: %s%s", dashboard_url, dashboard.login_hint())
         log.info(dashboard.where_the_run_shows(dashboard_url, config.name))
-    device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
-    elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
-    log.info(
-        "Training %s on %s with %d workers%s x %s, %s, %s, %d epochs",
-        config.model,
-        config.data or config.train_data or config.dataset,
-        workers,
-        elastic,
-        device,
-        config.strategy.upper(),
-        config.precision,
-        config.epochs,
-    )
+
+
+def describe_device(config: TrainConfig) -> str:
+    return "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
+
+
+def warn_if_fewer(config: TrainConfig, workers: int) -> None:
+    """An elastic run that starts with fewer workers than asked for says so."""
     if workers < config.num_workers:
         log.warning(
             "Only %d of the %d workers asked for fit the cluster: starting with %d (--min-workers %d)",
@@ -170,6 +163,23 @@ def _describe_start(
             workers,
             config.min_workers,
         )
+
+
+def _describe_training(config: TrainConfig, workers: int, spec: DataSpec) -> None:
+    device = describe_device(config)
+    elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
+    log.info(
+        "Training %s on %s with %d workers%s x %s, %s, %s, %d epochs",
+        f"{config.task} (model {config.model})" if config.task else config.model,
+        config.data or config.train_data or config.dataset,
+        workers,
+        elastic,
+        device,
+        config.strategy.upper(),
+        config.precision,
+        config.epochs,
+    )
+    warn_if_fewer(config, workers)
     accumulation = f" x {config.grad_accum} micro-batches" if config.grad_accum > 1 else ""
     log.info(
         "Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
@@ -190,7 +200,6 @@ def _describe_start(
             "Constant over the training split (std 0), so scaled by 1, not divided by 0: %s",
             ", ".join(spec.constant_inputs),
         )
-    log.info("Run directory: %s", config.run_dir)
 
 
 def _log_to_console_and_file(run_dir: RunPath) -> tuple[logging.Handler, Spool]:
@@ -209,9 +218,7 @@ def _log_to_console_and_file(run_dir: RunPath) -> tuple[logging.Handler, Spool]:
     return log_file, spool
 
 
-def _make_trainer(
-    config: TrainConfig, datasets: dict, spec, monitor, plugins: dict, start_workers: int
-) -> TorchTrainer:
+def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_kind: str) -> TorchTrainer:
     os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
     os.environ.setdefault(_ray_compat.HEALTH_CHECK_INTERVAL_ENV, str(CONTROLLER_POLL_S))
     # Ray Train's PreemptionWatcher is one more actor process per run (2-3 CPU seconds of a run's start on two
@@ -224,10 +231,11 @@ def _make_trainer(
     # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
-    metric, mode = config.checkpoint_ranking(spec.kind)  # mid-epoch checkpoints score the worst (worker/loop.py)
+    metric, mode = config.checkpoint_ranking(work.data_kind)  # mid-epoch checkpoints score the worst (worker/loop.py)
+    train_loop, loop_config, datasets, dataset_config = work.trainer_parts(config, monitor)
     return Trainer(
-        train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "spec": spec.__dict__, "monitor": monitor, "plugins": plugins},
+        train_loop,
+        train_loop_config=loop_config,
         scaling_config=ScalingConfig(
             num_workers=workers, use_gpu=config.use_gpu, resources_per_worker={"CPU": config.cpus_per_worker}
         ),
@@ -241,30 +249,39 @@ def _make_trainer(
         ),
         torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
         datasets=datasets,
-        dataset_config=ShardingDataConfig(),
+        dataset_config=dataset_config,
     )
 
 
-def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> dict:
+def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None) -> dict:
     """Import the plug-ins the config names (a typo fails here, in one line); what the workers need to find them.
 
     Python API callables are recorded in the config by name, for the run directory's config.toml.
     """
     paths = [
         (flag, path)
-        for flag, path in (("--model", config.model), ("--dataset", config.dataset), ("--loss", config.loss))
+        for flag, path in (
+            ("--model", config.model),
+            ("--dataset", config.dataset),
+            ("--loss", config.loss),
+            ("--task", config.task),
+        )
         if path and is_import_path(path)
     ]
     loaded = {flag: load_object(path, flag) for flag, path in paths}
     hooks, hooks_roots = hooks_from_environment()
-    for field_name, fn in (("model", model_fn), ("dataset", dataset_fn), ("loss", loss_fn)):
+    for field_name, fn in (("model", model_fn), ("dataset", dataset_fn), ("loss", loss_fn), ("task", task)):
         if fn is not None:
             setattr(config, field_name, describe(fn))
+    task = task if task is not None else loaded.get("--task")
+    if task is not None:  # a task without its methods fails here, in one line
+        make_task(task, config, repr(config.task))
     return {
         "import_roots": sorted({root for _, path in paths if (root := import_root(path))} | set(hooks_roots)),
         "hooks": hooks,
         "model_fn": model_fn,
         "loss_fn": loss_fn,
+        "task": task,  # a class or an object; made on each worker
         "dataset_fn": dataset_fn or loaded.get("--dataset"),
         "dataset_label": repr(config.dataset),
     }
@@ -293,38 +310,119 @@ def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> tuple[dict | N
     return (run_checkpoints.check_resume_from(config, plan.spec, shapes) if config.resume_from else None), shapes
 
 
-def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> FitResult:
+def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None) -> FitResult:
     """Train as `config` says; return where the results are. Raises ConfigError on bad input.
 
     `model_fn(config) -> nn.Module`, `dataset_fn(config) -> {"train", "val"}` (Ray
-    Datasets of rows {x, y}) and `loss_fn(outputs, targets)` replace the built-in
-    model, data and loss, as --model/--dataset/--loss import paths do on the CLI.
+    Datasets of rows {x, y}), `loss_fn(outputs, targets)` and `task` (training_step/validation_step, see
+    docs/launch.md) replace the built-in model, data, loss and step, as --model/--dataset/--loss/--task import
+    paths do on the CLI.
     """
+    if task is not None:  # recorded by name before validate(), which lets a task rank checkpoints by its val_NAME
+        config.task = describe(task)
+    return run(config, BuiltinWork(model_fn, dataset_fn, loss_fn, task))
+
+
+def run(config: TrainConfig, work) -> FitResult:
+    """One run of `work` (the built-in loop's :class:`BuiltinWork`, or a user's script or function:
+    driver.launch.LaunchedWork) under the same lock, signals, cluster, run directory, watcher and summary."""
     config.validate()
     with run_lock.hold(config.run_dir) as lock, stop_on_signals() as stop_signal:
-        return _fit(config, model_fn, dataset_fn, loss_fn, stop_signal, lock)
+        return _run(config, work, stop_signal, lock)
 
 
-def _fit(
-    config: TrainConfig, model_fn, dataset_fn, loss_fn, stop_signal: StopSignal, lock: run_lock.RunLock
-) -> FitResult:
+class BuiltinWork:
+    """The built-in training loop (worker/loop.py) on a data plan: what a run needs from its work, before Ray
+    starts and once it is up."""
+
+    launched = False
+    config_fields = None  # config.toml: every setting
+
+    def __init__(self, model_fn=None, dataset_fn=None, loss_fn=None, task=None) -> None:
+        self.model_fn, self.dataset_fn, self.loss_fn, self.task = model_fn, dataset_fn, loss_fn, task
+        self.plan: DataPlan | None = None
+        self.start_state: dict | None = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def before_ray(self, config: TrainConfig) -> list[str]:
+        """Plug-ins imported, the run directory checked, the data planned and checked against the model (nothing
+        started, nothing written); returns the folders the workers import plug-ins from."""
+        self.plugins = resolve_plugins(config, self.model_fn, self.dataset_fn, self.loss_fn, self.task)
+        self.dataset_fn = self.plugins.pop("dataset_fn")
+        self.dataset_label = self.plugins.pop("dataset_label")
+        run_directory.check(config)  # a finished run, or the name taken by other work: before Ray starts
+        if not self.dataset_fn:
+            self.plan = plan_data(config)
+            self._check(config)
+        return self.plugins["import_roots"]
+
+    def with_ray(self, config: TrainConfig) -> None:
+        if self.dataset_fn:  # a plug-in's datasets are Ray Datasets: made once Ray is up
+            self.plan = plugin_plan(config, self.dataset_fn, self.dataset_label)
+            self._check(config)
+
+    def _check(self, config: TrainConfig) -> None:
+        self.start_state, self.shapes = _check_plan(config, self.plan, self.model_fn)
+
+    @property
+    def train_rows(self) -> int:
+        return self.plan.spec.train_rows
+
+    @property
+    def data_kind(self) -> str:
+        return self.plan.spec.kind
+
+    def choose_start(self, config: TrainConfig, run_dir: RunPath) -> None:
+        _choose_start(config, run_dir, self.start_state, self.shapes)
+
+    def describe(self, config: TrainConfig, workers: int) -> None:
+        _describe_training(config, workers, self.plan.spec)
+
+    def interrupted_line(self, config: TrainConfig, summary: dict) -> str:
+        return (
+            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {config.epochs} epochs; the workers are "
+            "stopped; run the same command again to resume from the latest checkpoint "
+            f"({config.run_dir / 'summary.json'})"
+        )
+
+    def say_outcome(self, config: TrainConfig, summary: dict) -> None:
+        """The last line of a run that stopped early or finished."""
+        if summary["status"] == "stopped":
+            log.warning(
+                "Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
+                summary["stop_reason"],
+                summary["epochs_completed"],
+                config.epochs,
+                summary["resume_checkpoint"],
+            )
+        else:
+            log.info(
+                "Finished %d epochs in %.0fs; best checkpoint: %s",
+                summary["epochs_completed"],
+                summary["seconds"],
+                summary["best_checkpoint"],
+            )
+
+    def summary_fields(self, recorder: RunRecorder) -> dict:
+        return {}
+
+    def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
+        """Ray Train's training function, its config, the datasets and their sharding."""
+        loop_config = {"config": config.to_dict(), "spec": self.plan.spec.__dict__, "monitor": monitor}
+        loop_config["plugins"] = self.plugins
+        return train_loop_per_worker, loop_config, build_datasets(config, self.plan), ShardingDataConfig()
+
+
+def _run(config: TrainConfig, work, stop_signal: StopSignal, lock: run_lock.RunLock) -> FitResult:
     started = time.time()
-    plugins = resolve_plugins(config, model_fn, dataset_fn, loss_fn)
-    dataset_fn = plugins.pop("dataset_fn")
-    dataset_label = plugins.pop("dataset_label")
-    run_directory.check(config)  # a finished run, or the name taken by other work: before Ray starts
-    if not dataset_fn:
-        plan = plan_data(config)  # bad data fails here: before Ray starts, nothing written
-        start_state, shapes = _check_plan(config, plan, model_fn)
+    import_roots = work.before_ray(config)
     if config.mlflow_uri:
         tracker.require("mlflow", "--mlflow-uri", "mlflow", "MLflow")
     if config.wandb_project:
         tracker.require("wandb", "--wandb-project", "wandb", "the wandb package")
-    dashboard_url = connect(config, plugins["import_roots"])
+    dashboard_url = connect(config, import_roots)
     stop_signal.take_back()
-    if dataset_fn:
-        plan = plugin_plan(config, dataset_fn, dataset_label)
-        start_state, shapes = _check_plan(config, plan, model_fn)
+    work.with_ray(config)
     nodes = preflight.node_table()
     start_workers = preflight.check_fits(config, nodes)
     if config.use_gpu:
@@ -333,11 +431,14 @@ def _fit(
         except preflight.UnusableGPUNodes as err:
             return _failed_before_start(config, str(err), gpu_failed_nodes=err.hosts)
     lock.check_held()  # a start that took longer than the lock's stale limit: another driver went on
-    run_dir = run_directory.prepare(config)
+    run_dir = run_directory.prepare(config, work.config_fields)
     log_file, log_spool = _log_to_console_and_file(run_dir)
     try:
-        _choose_start(config, run_dir, start_state, shapes)
-        return _train(config, plan, run_dir, dashboard_url, nodes, start_workers, started, plugins, stop_signal, lock)
+        work.choose_start(config, run_dir)
+        _describe_cluster(config, dashboard_url, nodes)
+        work.describe(config, start_workers)
+        log.info("Run directory: %s", config.run_dir)
+        return _train(config, work, run_dir, nodes, start_workers, started, stop_signal, lock)
     finally:
         log.removeHandler(log_file)
         progress_log.removeHandler(log_file)
@@ -385,26 +486,21 @@ def _choose_start(
 
 def _train(
     config: TrainConfig,
-    plan: DataPlan,
+    work,
     run_dir: RunPath,
-    dashboard_url: str | None,
     nodes: list[dict],
     start_workers: int,
     started: float,
-    plugins: dict,
     stop_signal: StopSignal,
     lock: run_lock.RunLock,
 ) -> FitResult:
-    _describe_start(config, dashboard_url, nodes, start_workers, plan.spec)
-
-    datasets = build_datasets(config, plan)
     monitor = start_monitor()
     sinks = (
         ([TensorBoardLog(run_dir)] if config.tensorboard else [])
         + ([MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else [])
         + ([WandbLog(config, run_dir)] if config.wandb_project else [])
     )
-    recorder = RunRecorder(run_dir, config, plan.spec.train_rows, start_workers, sinks)
+    recorder = RunRecorder(run_dir, config, work.train_rows, start_workers, sinks, launched=work.launched)
     if recorder.epochs:
         log.info(
             "Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
@@ -418,7 +514,7 @@ def _train(
     error, result, interrupted = None, None, False
     stop_signal.forward_to(monitor)
     try:
-        result = _make_trainer(config, datasets, plan.spec, monitor, plugins, start_workers).fit()
+        result = _make_trainer(config, work, monitor, start_workers, work.data_kind).fit()
     except KeyboardInterrupt:  # Ctrl-C (Ray Train's own SIGINT handler is kept off: see _ray_compat.torch_trainer)
         if recorder.cluster_gone:  # the watcher's, not the user's: nothing is left to stop
             error = recorder.abort_reason
@@ -454,36 +550,19 @@ def _train(
     with interrupts_deferred():
         summary = None
         try:
-            summary = _summary(
-                config, plan.spec.kind, recorder, result, error, stop_reason, time.time() - started, interrupted
-            )
+            summary = _summary(config, work, recorder, result, error, stop_reason, time.time() - started, interrupted)
         finally:  # the trackers end with the run's outcome (W&B's summary, MLflow's status)
             for sink in sinks:
                 sink.close(summary)
-        _finish(config, run_dir, summary, report=not interrupted)
+        _finish(config, run_dir, summary, report=not interrupted and not work.launched)  # the report: epochs
     if interrupted:
-        raise Interrupted(
-            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {config.epochs} epochs; the workers are "
-            f"stopped; run the same command again to resume from the latest checkpoint ({run_dir / 'summary.json'})"
-        )
+        raise Interrupted(work.interrupted_line(config, summary))
     if error:
         log.error("Training failed: %s", error)
-    elif summary["status"] == "stopped":
-        log.warning(
-            "Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
-            stop_reason,
-            summary["epochs_completed"],
-            config.epochs,
-            summary["resume_checkpoint"],
-        )
     else:
-        log.info(
-            "Finished %d epochs in %.0fs; best checkpoint: %s",
-            summary["epochs_completed"],
-            summary["seconds"],
-            summary["best_checkpoint"],
-        )
-        _warn_if_profile_cut(config, run_dir, recorder)
+        work.say_outcome(config, summary)
+        if summary["status"] == "finished":
+            _warn_if_profile_cut(config, run_dir, recorder)
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
 
 
@@ -550,7 +629,7 @@ def _entry_uri(config: TrainConfig, fs_path: str) -> str:
 
 def _summary(
     config: TrainConfig,
-    data_kind: str,
+    work,
     recorder: RunRecorder,
     result,
     error: str | None,
@@ -560,7 +639,7 @@ def _summary(
 ) -> dict:
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
-    metric, mode = config.checkpoint_ranking(data_kind)
+    metric, mode = config.checkpoint_ranking(work.data_kind)
     # a checkpoint taken mid-epoch (a stop request, --checkpoint-every-*) has no validation score: +-inf
     pairs = result.best_checkpoints if result is not None else []
     scored = [pair for pair in pairs if math.isfinite(pair[1].get(metric, math.inf))]
@@ -570,8 +649,10 @@ def _summary(
     checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:
         error = f"watchdog: {recorder.hangs[-1]} -> {error}"
-    # Stopped only with epochs left: a stop request that came as the last epoch ended changes nothing.
-    stopped = not error and stop_reason is not None and max(recorder.epochs, default=0) < config.epochs
+    # Stopped only with epochs left: a stop request that came as the last epoch ended changes nothing. A launched
+    # script's ranks returned early only when asked to stop (worker/launched.py).
+    epochs_left = work.launched or max(recorder.epochs, default=0) < config.epochs
+    stopped = not error and stop_reason is not None and epochs_left
     latest = result.checkpoint if result is not None else None
     return {
         "status": "failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
@@ -601,6 +682,7 @@ def _summary(
         "param_checksums": checksums,
         "replicas_identical": None not in checksums and len(set(checksums)) == 1,
         "seconds": round(seconds, 2),
+        **work.summary_fields(recorder),
     }
 
 

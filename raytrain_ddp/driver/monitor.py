@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.console import Console
-from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, validation_results
+from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_report, aggregate_step, validation_results
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
 from raytrain_ddp.errors import one_line
@@ -77,6 +77,14 @@ class RunMonitor:
         self._add_steps(rank, step_records)
         self._events.append(("epoch", rank, metrics))
 
+    def add_step_records(self, rank: int, step_records: list[dict]) -> None:
+        """Records sent outside a beat: a launched rank's last reports, before it returns."""
+        self._add_steps(rank, step_records)
+
+    def output(self, rank: int, lines: list[str]) -> None:
+        """A launched script's output lines, for the console (every line is in its rank's log already)."""
+        self._events.append(("output", rank, lines))
+
     def _add_steps(self, rank: int, step_records: list[dict]) -> None:
         if step_records:
             self._events.append(("steps", rank, step_records))
@@ -100,8 +108,13 @@ class RunRecorder:
     gathers each epoch's messages from every rank into one record (metrics.jsonl, the sinks, a table row),
     and keeps the watchdog's view up to date (`liveness`). What the summary reports comes from here."""
 
-    def __init__(self, run_dir: RunPath, config: TrainConfig, train_rows: int, world_size: int, sinks: list) -> None:
+    def __init__(
+        self, run_dir: RunPath, config: TrainConfig, train_rows: int, world_size: int, sinks: list, launched=False
+    ) -> None:
+        """launched: the ranks run a user's script or function (raytrain-ddp launch): their steps.jsonl records are
+        what they report (raytrain_ddp.session), and what the built-in loop's would hold means nothing."""
         self.run_dir = run_dir
+        self.launched = launched
         self.config = config
         self.train_rows = train_rows
         self.world_size = world_size  # of the current attempt: elastic runs (--min-workers) change it
@@ -114,7 +127,7 @@ class RunRecorder:
         self.metrics_file = MetricsFile(run_dir)
         self.epochs: dict[int, dict] = self.metrics_file.read()  # epoch -> aggregated record
         self._pending: dict[int, dict[int, dict]] = {}  # epoch -> rank -> metrics
-        self.steps_file = StepsFile(run_dir) if config.log_every_steps else None
+        self.steps_file = StepsFile(run_dir) if config.log_every_steps or launched else None
         self._pending_steps: dict[int, dict[int, dict]] = {}  # global step -> rank -> its record
         self.liveness = Liveness()
         self.console = Console(config.epochs)
@@ -160,6 +173,9 @@ class RunRecorder:
                         self._record_step(self._pending_steps.pop(record["step"]))
             elif kind == "finished":
                 self.checksums[rank] = payload
+            elif kind == "output":
+                for line in payload:
+                    log.info("[rank %d] %s", rank, line)
         if self.liveness.positions:
             self.console.show_progress(self.liveness.positions, self.steps_per_epoch)
 
@@ -174,7 +190,8 @@ class RunRecorder:
         self._pending_steps.clear()
         self.checksums.clear()
         if self.starts_of_rank0 > 1:
-            log.warning("Ray Train restarted the workers from the latest checkpoint (restart %d)", self.restarts)
+            resumes = ": every rank's script runs again" if self.launched else " from the latest checkpoint"
+            log.warning("Ray Train restarted the workers%s (restart %d)", resumes, self.restarts)
         if world_size != self.world_size:
             log.warning(
                 "Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d%s",
@@ -222,7 +239,9 @@ class RunRecorder:
             log.warning("%s not written yet: %s", self.steps_file.path, one_line(err))
 
     def _record_step(self, by_rank: dict[int, dict]) -> None:
-        record = aggregate_step(by_rank)
+        record = aggregate_report(by_rank) if self.launched else aggregate_step(by_rank)
         self.steps_file.add(record)
+        if self.launched:
+            self.console.show_report(record)
         for sink in self.sinks:
             sink.write_step(record)

@@ -109,12 +109,12 @@ def _normal(field: str, value):
     return value
 
 
-def prepare(config: TrainConfig) -> RunPath:
-    """Create the run directory, (re)write config.toml, keep the whole lines of a metrics.jsonl or steps.jsonl
-    cut short."""
+def prepare(config: TrainConfig, fields: tuple[str, ...] | None = None) -> RunPath:
+    """Create the run directory, (re)write config.toml (`fields`: the settings the run's work reads, default
+    all), keep the whole lines of a metrics.jsonl or steps.jsonl cut short."""
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "config.toml", redact(to_toml(config)))
+    write_atomic(run_dir / "config.toml", redact(to_toml(config, fields)))
     _repair_records(run_dir / "metrics.jsonl", "epoch")
     _repair_records(run_dir / "steps.jsonl", "step")
     return run_dir

@@ -66,7 +66,7 @@ class DeviceFeed:
                 name: self._copy(values) if name != "id" and isinstance(values, torch.Tensor) else values
                 for name, values in batch.items()
             }
-            if moved["x"].dtype == torch.uint8:  # images, normalised where the batch is used
+            if "x" in moved and moved["x"].dtype == torch.uint8:  # images, normalised where the batch is used
                 moved["x"] = normalise_images(moved["x"], self.spec)
             return moved, stream.record_event() if stream is not None else None
 

@@ -34,7 +34,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
-from raytrain_ddp.plugins import add_import_roots, load_object, make_loss
+from raytrain_ddp.plugins import add_import_roots, load_object, make_loss, make_task
 from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
@@ -45,6 +45,7 @@ from raytrain_ddp.worker.metrics import (
     Heartbeat,
     StepClock,
     all_ranks_agree,
+    batch_rows,
     check_finite,
     default_loss,
     evaluate,
@@ -52,6 +53,7 @@ from raytrain_ddp.worker.metrics import (
     most_over_ranks,
     parameter_checksum,
     sync_buffers,
+    task_loss,
 )
 from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 from raytrain_ddp.worker.profile import StepProfile
@@ -150,7 +152,7 @@ class Trainer:
         model = build_model(config, spec, plugins.get("model_fn"))
         self.peak_tflops = peak_tflops(device, config.peak_tflops)
         # Counted before sharding, on GPUs (or given a peak): the counter's first use imports torch._dynamo (2 s)
-        counted = device.type == "cuda" or self.peak_tflops is not None
+        counted = (device.type == "cuda" or self.peak_tflops is not None) and not config.task  # a task's: any columns
         self.flops_per_sample = training_flops_per_sample(model, padding_batch(spec, "cpu")["x"]) if counted else None
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
         self.optimizer = make_optimizer(config, self.model, self.world_size)  # after FSDP: it steps the local shards
@@ -158,6 +160,8 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
         self.scaler = strategy.grad_scaler(config, device)
         self.loss_fn = make_loss_fn(config, plugins.get("loss_fn"))
+        task = plugins.get("task")
+        self.task = None if task is None else make_task(task, config, repr(config.task))  # --task: the user's step
         self.grad_norm: torch.Tensor | None = None  # the last optimizer step's, when computed
         sharded = config.checkpoint_format == "sharded"
         self.sharded_saver = ckpt.ShardedSaver(config.run_dir, dist.get_rank()) if sharded else None
@@ -202,12 +206,18 @@ class Trainer:
     def micro_batch(self, batch: dict, synchronise: bool) -> torch.Tensor:
         """Forward and backward on one micro-batch; gradients are all-reduced only when `synchronise`.
         Returns the loss, detached: its graph is spent."""
-        x = batch["x"].contiguous(memory_format=torch.channels_last) if self.config.channels_last else batch["x"]
         with strategy.no_grad_sync(self.model, self.config) if not synchronise else contextlib.nullcontext():
             with strategy.autocast(self.config, self.device):
-                loss = self.loss_fn(self.model(x), batch["y"])
+                loss = self.training_loss(batch)
             self.scaler.scale(loss / self.config.grad_accum).backward()
         return loss.detach()
+
+    def training_loss(self, batch: dict) -> torch.Tensor:
+        """The --task's training_step, or the built-in step: the loss of the model's outputs for x against y."""
+        if self.task is not None:
+            return task_loss(self.task.training_step(self.model, batch))
+        x = batch["x"].contiguous(memory_format=torch.channels_last) if self.config.channels_last else batch["x"]
+        return self.loss_fn(self.model(x), batch["y"])
 
     def optimizer_step(self) -> bool:
         """Clip, step, advance the schedule. False when the step was skipped (non-finite gradients).
@@ -356,7 +366,7 @@ class WorkerLoop:
         self.profile.step_begins(self.position.global_step + 1)
         meter.micro_batches_started += 1
         synchronise = micro_batch % config.grad_accum == 0 or is_last
-        meter.add(trainer.micro_batch(batch, synchronise), len(batch["y"]))
+        meter.add(trainer.micro_batch(batch, synchronise), batch_rows(batch))
         if config.record_sample_ids:
             run.seen_ids.append(batch["id"].numpy())  # ids never leave the host
         if meter.micro_batches % NAN_CHECK_EVERY == 0:
@@ -447,15 +457,17 @@ class WorkerLoop:
             if most is None:  # a plug-in's split: counted once read, held on the host (never on the device)
                 batches = list(batches)
                 most = most_over_ranks(len(batches), self.device)
-            lockstep = (padding_batch(self.spec, self.device), most)
+            # a task's batches hold its own columns: it pads with its last batch again
+            lockstep = (None if self.trainer.task else padding_batch(self.spec, self.device), most)
         with strategy.autocast(config, self.device):  # the precision training ran in (evaluate.py does the same)
             return evaluate(
                 model if fsdp else strategy.unwrap(model),
                 (batch for batch, _ in self.feed.ahead(batches)),
-                self.trainer.loss_fn,
+                self.trainer.loss_fn if self.trainer.task is None else self.trainer.task.validation_step,
                 self.device,
                 lockstep=lockstep,
                 on_batch=lambda done: self.validated(epoch, done),
+                task=self.trainer.task is not None,
             )
 
     def validated(self, epoch: int, done: int) -> None:

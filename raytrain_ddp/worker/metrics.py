@@ -230,48 +230,97 @@ def evaluate(
     batches,
     loss_fn,
     device: torch.device,
-    lockstep: tuple[dict, int] | None = None,
+    lockstep: tuple[dict | None, int] | None = None,
     on_batch: Callable[[int], None] | None = None,
+    task: bool = False,
 ) -> dict:
-    """Validation loss and accuracy (per target: a class, or a next token) over ALL ranks' shards.
+    """Validation loss and accuracy (per target: a class, or a next token) over ALL ranks' shards; with `task`,
+    `loss_fn` is the task's validation_step(model, batch) -> {name: sum over the batch, "count": rows}, and the
+    result each name's mean over all rows, as val_NAME.
 
     Each rank sums over its own rows, then one all-reduce adds the sums, so
     every rank ends with the identical numbers, whatever rows it held.
     With `lockstep` = (padding batch, the most batches any rank has) (FSDP,
     whose forward is itself a collective) every rank runs that many forwards,
-    running the padding batch uncounted once it has run out: val shards may
+    running the padding batch (None: its last batch again) uncounted once it has run out: val shards may
     differ by a batch. `on_batch(n)` is told after the n-th forward was
     launched (a padding one too).
     """
     model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, targets, rows
     if lockstep is not None:
         batches = _padded(batches, *lockstep)
+    sums: dict[str, torch.Tensor] = {}
     for done, batch in enumerate(batches, start=1):
-        outputs = model(batch["x"])
+        counted = _task_sums(loss_fn(model, batch)) if task else _classification_sums(model(batch["x"]), batch, loss_fn)
         if on_batch is not None:
             on_batch(done)
-        if batch.get("padding"):
-            continue
-        targets = batch["y"].numel()
-        totals[0] += loss_fn(outputs, batch["y"]).double() * targets
-        totals[1] += (outputs.argmax(dim=-1) == batch["y"]).sum()
-        totals[2] += targets
-        totals[3] += len(batch["y"])
+        if not batch.get("padding"):
+            for name, value in counted.items():
+                sums[name] = sums[name] + value if name in sums else value.to(device, torch.float64)
+    names = _names_over_ranks(sums) if task else ["loss", "correct", "targets", "rows"]
+    totals = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) for name in names])
     if dist.is_initialized():
         dist.all_reduce(totals)
-    loss_sum, correct, targets, rows = totals.tolist()
-    return {"val_loss": loss_sum / targets, "val_accuracy": correct / targets, "val_rows": int(rows)}
+    total = dict(zip(names, totals.tolist()))
+    if task:
+        rows = total.pop("count")
+        return {**{f"val_{name}": value / rows for name, value in total.items()}, "val_rows": int(rows)}
+    return {
+        "val_loss": total["loss"] / total["targets"],
+        "val_accuracy": total["correct"] / total["targets"],
+        "val_rows": int(total["rows"]),
+    }
 
 
-def _padded(batches: Iterable[dict], padding: dict, count: int) -> Iterator[dict]:
-    """`batches`, then the padding batch (marked uncounted) until `count` batches have gone by."""
-    done = 0
-    for batch in batches:
+def _classification_sums(outputs: torch.Tensor, batch: dict, loss_fn) -> dict[str, torch.Tensor]:
+    targets = batch["y"].numel()
+    return {
+        "loss": loss_fn(outputs, batch["y"]).double() * targets,
+        "correct": (outputs.argmax(dim=-1) == batch["y"]).sum(),
+        "targets": torch.tensor(float(targets)),
+        "rows": torch.tensor(float(len(batch["y"]))),
+    }
+
+
+def _task_sums(sums: dict) -> dict[str, torch.Tensor]:
+    """A task's validation_step result as float64 tensors; it must count its rows."""
+    if not isinstance(sums, dict) or "count" not in sums:
+        raise TypeError(
+            "validation_step must return a dict of sums over the batch with the batch's row count under 'count', "
+            f"got {type(sums).__name__}{' without count' if isinstance(sums, dict) else ''}"
+        )
+    return {name: torch.as_tensor(value, dtype=torch.float64).detach() for name, value in sums.items()}
+
+
+def _names_over_ranks(sums: dict) -> list[str]:
+    """Every name any rank's validation_step returned, in one order on every rank (a rank may have no batch)."""
+    names = {"count", *sums}
+    if dist.is_initialized():
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(names))
+        names = names.union(*every)
+    return sorted(names)
+
+
+def _padded(batches: Iterable[dict], padding: dict | None, count: int) -> Iterator[dict]:
+    """`batches`, then the padding batch (marked uncounted; None: the last batch) until `count` batches have gone
+    by."""
+    done, last = 0, None
+    for last in batches:
         done += 1
-        yield batch
+        yield last
     for _ in range(count - done):
-        yield dict(padding, padding=True)
+        yield dict(padding if padding is not None else last, padding=True)
+
+
+def task_loss(result) -> torch.Tensor:
+    """A task's training_step result: the loss, or a dict holding it under "loss"."""
+    return result["loss"] if isinstance(result, dict) else result
+
+
+def batch_rows(batch: dict) -> int:
+    """The rows of a batch: its first tensor's length (a task's batches hold whatever columns the data has)."""
+    return len(next(value for name, value in batch.items() if isinstance(value, torch.Tensor) and name != "id"))
 
 
 def most_over_ranks(count: int, device: torch.device) -> int:

@@ -1,0 +1,267 @@
+"""The worker side of `raytrain-ddp launch`: a user's own script or function on every Ray Train worker.
+
+A script runs as torchrun runs it: a child process of the worker (``python SCRIPT ARGS`` through
+:mod:`.script_runner`), with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and
+MASTER_PORT set, the caller's environment and working directory. Its MASTER_PORT is a port of its own, so the
+process group the script creates never meets the one Ray Train set up in the worker. The worker stays its
+supervisor: the script's output goes to ``RUN_DIR/logs/rank-N.log`` (and to the console for the ranks teed),
+its reports (:mod:`raytrain_ddp.session`) and its liveness to the driver with each heartbeat, a stop request
+becomes the signal the driver got, and its exit becomes this worker's outcome. A function runs in the worker
+itself, in the process group Ray Train set up, with the same session.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+import ray.train
+import ray.train.collective
+
+from raytrain_ddp import session
+from raytrain_ddp.errors import ScriptFailed, ScriptKilled
+from raytrain_ddp.worker.metrics import Heartbeat, monitor_post
+from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
+
+log = logging.getLogger("raytrain_ddp.worker")
+
+PHASE = "running"  # the heartbeat's phase: what the script does is its own business
+TAIL_LINES = 200  # of a failed rank's output, read for its traceback
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")  # torch's, on each line of a rank's traceback once its group is up
+
+
+def rank_log(run_dir: str, rank: int | str) -> Path:
+    return Path(run_dir) / "logs" / f"rank-{rank}.log"
+
+
+class Channel:
+    """This rank's session folder (see raytrain_ddp.session): the reports it appends, the stop flag we set."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="raytrain-session-"))
+        self.reports = self.path / session.REPORTS_FILE
+        self.reports.touch()
+        self._read_to = 0
+        self.made = 0  # reports read so far: part of the rank's progress
+
+    def new_reports(self) -> list[dict]:
+        """The whole lines appended since the last call."""
+        with self.reports.open("rb") as file:
+            file.seek(self._read_to)
+            data = file.read()
+        whole = data[: data.rfind(b"\n") + 1]
+        self._read_to += len(whole)
+        records = [json.loads(line) for line in whole.splitlines() if line.strip()]
+        self.made += len(records)
+        return records
+
+    def request_stop(self) -> None:
+        (self.path / session.STOP_FILE).touch()
+
+    def joined_process_group(self) -> bool:
+        return (self.path / PROCESS_GROUP_MARK).exists()
+
+
+class Supervisor:
+    """One rank's beat: its progress (reports, output, CPU time) and its reports to the driver; a stop request
+    passed on."""
+
+    def __init__(self, loop_config: dict, on_stop: Callable[[str], None]) -> None:
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.local_rank, self.node_rank = context.get_local_rank(), context.get_node_rank()
+        self.local_world_size = context.get_local_world_size()
+        self.monitor, self.run_dir = loop_config["monitor"], loop_config["run_dir"]
+        self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
+        self.output: list[str] = []  # teed lines not yet sent to the driver
+        self.output_lock = threading.Lock()
+        self.cpu_of: Callable[[], int] = lambda: _cpu_ticks(os.getpid())
+        self.monitor.worker_started.remote(self.rank, self.describe())
+        self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
+        self.heartbeat.at(PHASE, 0, self.heartbeat.meter)
+        threading.Thread(target=self._beat_forever, daemon=True, name="supervisor").start()
+
+    def describe(self) -> dict:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "hostname": socket.gethostname(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "device": os.environ.get("CUDA_VISIBLE_DEVICES", "cpu"),
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+
+    def session_env(self) -> dict[str, str]:
+        return {
+            session.SESSION_ENV: str(self.channel.path),
+            session.CHECKPOINT_DIR_ENV: str(Path(self.run_dir) / "checkpoint"),
+        }
+
+    def _beat_forever(self) -> None:
+        stop_passed = False
+        while True:
+            time.sleep(Heartbeat.INTERVAL_S / 2)
+            try:
+                self.heartbeat.step_records.extend(self.channel.new_reports())
+            except (OSError, ValueError):  # a line cut short is read whole next time; a bad one is the script's
+                pass
+            # Liveness: anything the rank did since the last beat (a blocked collective does none of it)
+            self.heartbeat.advance(self.channel.made + self.lines + self.cpu_of())
+            self.send_output()
+            if self.heartbeat.stop_reason and not stop_passed:
+                stop_passed = True
+                self.channel.request_stop()
+                self.on_stop(self.heartbeat.stop_reason)
+
+    def send_output(self, wait: bool = False) -> None:
+        with self.output_lock:
+            lines, self.output = self.output, []
+        if lines:
+            sent = self.monitor.output.remote(self.rank, lines)
+            if wait:
+                ray.get(sent)
+
+    def finish(self) -> None:
+        """The rank's last output and reports reach the driver before the worker returns."""
+        self.send_output(wait=True)
+        self.heartbeat.step_records.extend(self.channel.new_reports())
+        self.heartbeat.send_step_records(lambda steps: ray.get(self.monitor.add_step_records.remote(self.rank, steps)))
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU ticks of a process (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _stop_signal(reason: str) -> signal.Signals:
+    """The signal the driver got (its reason names it), passed on as torchrun passes signals to its workers."""
+    return signal.SIGUSR1 if reason.startswith("SIGUSR1") else signal.SIGTERM
+
+
+def _master_address() -> tuple[str, int]:
+    """Rank zero's node and a free port there, for the script's own process group: the same on every rank."""
+    if ray.train.get_context().get_world_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            chosen = (ray.util.get_node_ip_address(), probe.getsockname()[1])
+    else:
+        chosen = None
+    return tuple(ray.train.collective.broadcast_from_rank_zero(chosen))
+
+
+def run_script_per_worker(loop_config: dict) -> None:
+    """Ray Train's training function for a script: run it on this rank, return when it exits well."""
+    script, args = loop_config["script"], loop_config["script_args"]
+    master_addr, master_port = _master_address()
+    child: subprocess.Popen | None = None
+
+    def pass_stop(reason: str) -> None:
+        if child is not None and child.poll() is None:
+            child.send_signal(_stop_signal(reason))
+
+    supervisor = Supervisor(loop_config, pass_stop)
+    torchrun_env = {
+        "RANK": supervisor.rank,
+        "LOCAL_RANK": supervisor.local_rank,
+        "WORLD_SIZE": supervisor.world_size,
+        "LOCAL_WORLD_SIZE": supervisor.local_world_size,
+        "NODE_RANK": supervisor.node_rank,
+        "GROUP_RANK": supervisor.node_rank,  # torchrun's name for it (Lightning reads it)
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": master_port,
+        "TORCHELASTIC_RUN_ID": loop_config["run_name"],  # how Lightning and others tell a torchrun launch
+    }
+    env = {
+        **loop_config["environment"],  # the caller's, as torchrun's children inherit it
+        **{key: str(value) for key, value in torchrun_env.items()},
+        **supervisor.session_env(),
+        PARENT_PID_ENV: str(os.getpid()),
+    }
+    for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"):  # Ray's choice for this worker, unless the caller's
+        if key in os.environ and (key == "CUDA_VISIBLE_DEVICES" or key not in env):
+            env[key] = os.environ[key]
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log as they are printed
+    cwd = loop_config["cwd"] if os.path.isdir(loop_config["cwd"]) else os.path.dirname(script)
+    log_path = rank_log(loop_config["run_dir"], supervisor.rank)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", script, *args]
+    child = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    supervisor.cpu_of = lambda: _cpu_ticks(child.pid)
+    teed = loop_config["tee"] == "all" or supervisor.rank == 0
+    tail = _pump_output(child, log_path, supervisor, teed)
+    returncode, exited_at = child.wait(), time.time()
+    supervisor.finish()
+    if supervisor.heartbeat.stop_reason:  # asked to stop: whatever the script did with the signal, it stopped
+        return
+    if returncode < 0:
+        raise ScriptKilled(f"killed by {signal.Signals(-returncode).name} ({log_path})", exited_at)
+    if returncode > 0:
+        error = _exception_of(tail) or "the script failed"
+        raise ScriptFailed(f"{error} (exit code {returncode}; {log_path})", exited_at)
+    if supervisor.world_size > 1 and not supervisor.channel.joined_process_group():
+        raise ScriptFailed(
+            f"the script never called torch.distributed.init_process_group: the {supervisor.world_size} ranks "
+            f"each ran it alone; call it once at the start (docs/launch.md)"
+        )
+
+
+def _pump_output(child: subprocess.Popen, log_path: Path, supervisor: Supervisor, teed: bool) -> collections.deque:
+    """Copy the script's output to its rank's log, and the teed ranks' to the driver (the beat sends them);
+    returns the last lines."""
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    with log_path.open("ab") as log_file:
+        log_file.write(f"--- rank {supervisor.rank} on {socket.gethostname()}, {time.ctime()}\n".encode())
+        for raw in child.stdout:
+            log_file.write(raw)
+            log_file.flush()
+            line = raw.decode(errors="replace").rstrip("\n")
+            tail.append(line)
+            supervisor.lines += 1
+            if teed:
+                with supervisor.output_lock:
+                    supervisor.output.append(line)
+    return tail
+
+
+def _exception_of(lines: collections.deque) -> str | None:
+    """`Type: message` of the last traceback in a rank's output: its first line that is not a frame."""
+    text = [RANK_PREFIX.sub("", line) for line in lines]
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    raised = next((line for line in text[starts[-1] + 1 :] if line and not line[0].isspace()), None)
+    if raised is None:
+        return None
+    name, _, message = raised.partition(": ")
+    name = name.rsplit(".", 1)[-1]  # the type's own name, as the built-in loop's one line gives it
+    return f"{name}: {message}" if message else name
+
+
+def run_function_per_worker(loop_config: dict) -> None:
+    """Ray Train's training function for a user's function: call it here, in the process group Ray Train set
+    up, with the session of a launched script."""
+    supervisor = Supervisor(loop_config, on_stop=lambda reason: None)  # should_stop() reads the channel's flag
+    os.environ.update(supervisor.session_env())
+    function, args = loop_config["function"], loop_config["function_args"]
+    try:
+        function() if args is None else function(args)
+    finally:
+        supervisor.finish()

@@ -1,0 +1,94 @@
+"""`python -m raytrain_ddp.worker.script_runner SCRIPT ARGS`: run SCRIPT as `python SCRIPT ARGS` runs it.
+
+The launched worker (:mod:`.launched`) starts each rank's script through this: `runpy.run_path` runs it as
+``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python itself sets them. Two things are added, neither
+seen by the script: the process ends with its worker (a killed worker leaves no orphan blocked in a
+collective), and a call of ``torch.distributed.init_process_group`` is noted in the session folder, so that a
+script that never joins the group is named instead of training alone on every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.abc
+import importlib.util
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+from types import TracebackType
+
+from raytrain_ddp.session import SESSION_ENV
+
+PARENT_PID_ENV = "RAYTRAIN_DDP_PARENT_PID"
+PROCESS_GROUP_MARK = "process_group"  # in the session folder once the script called init_process_group
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_parent() -> None:
+    """SIGKILL when the worker that started us dies (Ray ended it: a failed rank, Ctrl-C, the watchdog)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(os.environ.pop(PARENT_PID_ENV, os.getppid())):
+        os._exit(1)  # it died before the line above
+
+
+class _NoteProcessGroup(importlib.abc.MetaPathFinder):
+    """Wraps torch.distributed.init_process_group as torch.distributed is first imported: the wrapper marks the
+    session folder, then calls torch's. Importing torch ourselves first would change what the script sees (its
+    own environment settings made before `import torch`)."""
+
+    def __init__(self, mark: Path) -> None:
+        self.mark = mark
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.distributed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_and_wrap(module) -> None:
+                exec_module(module)
+                module.init_process_group = self._noting(module.init_process_group)
+
+            spec.loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
+        return spec
+
+    def _noting(self, init_process_group):
+        @functools.wraps(init_process_group)
+        def noted(*args, **kwargs):
+            self.mark.touch()
+            return init_process_group(*args, **kwargs)
+
+        return noted
+
+
+def main() -> None:
+    _end_with_parent()
+    script, *args = sys.argv[1:]
+    channel = os.environ.get(SESSION_ENV)
+    if channel:
+        sys.meta_path.insert(0, _NoteProcessGroup(Path(channel) / PROCESS_GROUP_MARK))
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT`: its folder, not ours
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as error:  # shown as Python shows the script's own: its frames only, exit code 1
+        trimmed = error.with_traceback(_from_script(error.__traceback__, os.path.abspath(script)))
+        sys.excepthook(type(error), trimmed, trimmed.__traceback__)  # torch's hook reads the error's own
+        sys.exit(1)
+
+
+def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
+    """The traceback from the script's first frame on (runpy's and ours left out)."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename != script:
+        first = first.tb_next
+    return first or tb
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Bring your own training: scripts written as users write them for torchrun run unchanged under
+`raytrain-ddp launch` on a real local Ray (each first under torchrun itself), and a training function runs
+through `raytrain_ddp.launch`. Real processes, real gloo process groups, real signals and SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from support import REPO
+
+pytestmark = pytest.mark.ray
+
+TUTORIAL = REPO / "examples" / "ddp_tutorial.py"
+SESSION_SCRIPT = REPO / "examples" / "script_with_session.py"
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+def _torchrun(script: Path, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=300)
+
+
+def _launch_command(address: str, storage: Path, name: str, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "raytrain_ddp.launch",
+        "--address",
+        address,
+        "--num-workers",
+        "2",
+        "--storage-path",
+        str(storage),
+        "--name",
+        name,
+        *args,
+    ]
+
+
+def _launch(address: str, storage: Path, name: str, *args: str, env: dict | None = None):
+    return subprocess.run(
+        _launch_command(address, storage, name, *args),
+        cwd=storage,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _script_pid(script: Path, rank: int, timeout: float = 240) -> int:
+    """The pid of `script`'s process for RANK=`rank`, found in the process table as an operator would."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and str(script).encode() in (entry / "cmdline").read_bytes():
+                    if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                        return int(entry.name)
+            except OSError:
+                continue
+        time.sleep(0.2)
+    raise TimeoutError(f"no process of {script} with RANK={rank}")
+
+
+def _wait_for_line(path: Path, text: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{text!r} never appeared in {path}")
+
+
+# ------------------------------------------------------------------ the tutorial script, a rank killed mid-run
+@pytest.fixture(scope="module")
+def tutorial(ray_address, tmp_path_factory):
+    """PyTorch's DDP tutorial shape, 4 epochs, a snapshot each: once under torchrun, once under launch with rank 1
+    SIGKILLed after its epoch 1 and --max-restarts 1."""
+    storage = tmp_path_factory.mktemp("tutorial")
+    plain = _torchrun(TUTORIAL, "4", "1", "--snapshot", "plain.pt", "--out", "plain-out.pt", cwd=storage)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    command = _launch_command(
+        ray_address, storage, "tutorial", "--max-restarts", "1",
+        str(TUTORIAL), "4", "1", "--snapshot", "ours.pt", "--out", "ours-out.pt", "--pause-s", "1",
+    )  # fmt: skip
+    run = subprocess.Popen(command, cwd=storage, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_line(storage / "tutorial" / "logs" / "rank-1.log", "Epoch 1 |")
+        os.kill(_script_pid(TUTORIAL, rank=1), signal.SIGKILL)
+        output = run.communicate(timeout=300)[0]
+    finally:
+        run.kill()
+    return storage, run.returncode, output
+
+
+def test_the_tutorial_script_trains_the_same_weights_as_under_torchrun_though_a_rank_was_killed(tutorial):
+    storage, returncode, output = tutorial
+    assert returncode == 0, output[-3000:]
+    plain, ours = torch.load(storage / "plain-out.pt"), torch.load(storage / "ours-out.pt")
+    assert plain.keys() == ours.keys() and all(torch.equal(plain[key], ours[key]) for key in plain)
+
+
+def test_the_killed_rank_restarts_every_rank_which_resume_from_the_scripts_snapshot(tutorial):
+    storage, _, output = tutorial
+    summary = _summary(storage / "tutorial")
+    assert summary["status"] == "finished" and summary["restarts"] == 1, summary
+    assert "Ray Train restarted the workers: every rank's script runs again (restart 1)" in output, output[-3000:]
+    rank_0 = (storage / "tutorial" / "logs" / "rank-0.log").read_text()
+    assert rank_0.count("--- rank 0 on ") == 2 and "Resuming training from snapshot at Epoch " in rank_0, rank_0
+
+
+def test_rank_zeros_output_is_on_the_console_and_every_ranks_in_its_log(tutorial):
+    storage, _, output = tutorial
+    assert "[rank 0] [GPU0] Epoch 3 | Steps: 32" in output, output[-3000:]
+    assert "[GPU1]" not in output  # rank 1's lines only in its log (--tee all shows them)
+    assert "[GPU1] Epoch 3 | Steps: 32" in (storage / "tutorial" / "logs" / "rank-1.log").read_text()
+    config = (storage / "tutorial" / "config.toml").read_text()
+    assert "max_failures = 1" in config and "epochs" not in config  # the launch's settings, not the built-in loop's
+
+
+# ------------------------------------------------------------------ failures, each one line
+def test_a_failing_rank_is_named_with_its_error_and_the_callers_environment_reached_every_rank(ray_address, tmp_path):
+    script, env = SCRIPTS / "failing_rank.py", {"RUN_TAG": "blue-42"}
+    plain = _torchrun(script, cwd=tmp_path, env=env)
+    assert plain.returncode == 1 and "ValueError: bad shard on rank 1 (RUN_TAG=blue-42)" in plain.stderr
+    result = _launch(ray_address, tmp_path, "failing", str(script), env=env)
+    run_dir = tmp_path / "failing"
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Training failed: rank 1: ValueError: bad shard on rank 1 (RUN_TAG=blue-42) (exit code 1;")
+    assert str(run_dir / "logs" / "rank-1.log") in last and "Traceback" not in result.stderr
+    assert "rank 0 sees RUN_TAG=blue-42" in (run_dir / "logs" / "rank-0.log").read_text()
+    summary = _summary(run_dir)
+    assert summary["status"] == "failed" and summary["restarts"] == 0 and "rank 1: ValueError" in summary["error"]
+
+
+def test_a_script_that_never_joins_the_process_group_is_named(ray_address, tmp_path):
+    result = _launch(ray_address, tmp_path, "alone", str(SCRIPTS / "no_process_group.py"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Training failed: ranks 0, 1: the script never called torch.distributed.init_process_group: the 2 ranks "
+        "each ran it alone; call it once at the start (docs/launch.md)"
+    )
+
+
+@pytest.mark.parametrize("target, says", [("missing.py", "no such file"), (".", "is not a file")])
+def test_a_script_that_is_not_a_file_is_one_line_and_exit_2(tmp_path, target, says):
+    result = subprocess.run(
+        [sys.executable, "-m", "raytrain_ddp.launch", "--storage-path", str(tmp_path), target],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: {target}") and says in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+# ------------------------------------------------------------------ the session API; stop and resume
+def test_a_session_script_runs_under_torchrun_with_local_defaults(tmp_path):
+    result = _torchrun(SESSION_SCRIPT, "--epochs", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 1: loss " in result.stdout and "step 2: loss " in result.stdout
+    assert (tmp_path / "checkpoints" / "snapshot.pt").exists()
+
+
+def test_usr1_reaches_every_rank_which_stops_at_its_check_and_the_same_command_resumes(ray_address, tmp_path):
+    """A stop signal on the launcher (Slurm's time-limit warning) reaches every rank's script, which saves and
+    returns: exit 75; the same command resumes from the script's snapshot and finishes; every reported step is
+    in steps.jsonl once, with its spread over the ranks."""
+    args = (str(SESSION_SCRIPT), "--epochs", "40", "--step-seconds", "0.02")
+    run = subprocess.Popen(
+        _launch_command(ray_address, tmp_path, "session", *args),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _wait_for_line(tmp_path / "session" / "steps.jsonl", '"step": 2,')
+        run.send_signal(signal.SIGUSR1)
+        output = run.communicate(timeout=300)[0]
+    finally:
+        run.kill()
+    assert run.returncode == 75, output[-3000:]
+    stopped = _summary(tmp_path / "session")
+    assert stopped["status"] == "stopped" and stopped["stop_reason"].startswith("SIGUSR1"), stopped
+    done = stopped["final_metrics"]["step"]
+    assert 2 <= done < 40 and "stopping after epoch" in output
+
+    again = _launch(ray_address, tmp_path, "session", *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr
+    steps = [json.loads(line) for line in (tmp_path / "session" / "steps.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in steps] == list(range(1, 41))
+    assert all(record["world_size"] == 2 and "loss_per_rank" in record for record in steps)
+    assert _summary(tmp_path / "session")["final_metrics"]["step"] == 40
+
+
+# ------------------------------------------------------------------ a training function
+def test_a_training_function_runs_in_the_process_group_with_the_session(ray_address, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    from launch_function import train_fn
+
+    from raytrain_ddp import launch
+
+    result = launch(train_fn, num_workers=2, args={"epochs": 3, "lr": 0.05}, storage_path=str(tmp_path), name="fn")
+    assert result.ok and result.summary["launched"] == {"function": "train_fn"}, result.summary
+    steps = [json.loads(line) for line in (result.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in steps] == [1, 2, 3] and steps[-1]["loss"] < steps[0]["loss"]
+    assert result.final_metrics["loss"] == steps[-1]["loss"]
+
+
+def test_launch_refuses_a_setting_it_does_not_take(tmp_path):
+    from raytrain_ddp import ConfigError, launch
+
+    with pytest.raises(ConfigError, match="launch\\(\\) takes no setting epochs"):
+        launch(print, epochs=3, storage_path=str(tmp_path))
