@@ -85,7 +85,8 @@ def describe_failure(error: BaseException) -> str:
     if not failures:
         return failure_line(_unwrapped(error))
     failures = {rank: _unwrapped(exc) for rank, exc in failures.items()}
-    if all(isinstance(exc, ScriptFailed) for exc in failures.values()):
+    lines = {failure_line(exc) for exc in failures.values()}
+    if len(lines) > 1 and all(isinstance(exc, ScriptFailed) for exc in failures.values()):
         return _first_script_failure(failures)
     ranks_by_line: dict[str, list[int]] = {}  # ranks that failed alike are named once, together
     for rank, exc in sorted(failures.items()):

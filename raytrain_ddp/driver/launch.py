@@ -14,11 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray import cloudpickle
+
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import run_directory
 from raytrain_ddp.driver.fit import describe_device, warn_if_fewer
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.launch import LAUNCH_FIELDS
+from raytrain_ddp.plugins import import_root
 from raytrain_ddp.storage import RemotePath, RunPath
 from raytrain_ddp.worker.launched import rank_log, run_function_per_worker, run_script_per_worker
 
@@ -39,6 +42,8 @@ class LaunchedWork:
     environment: dict[str, str] = field(default_factory=lambda: dict(os.environ))  # the caller's, for every rank
     cwd: str = field(default_factory=os.getcwd)
 
+    import_roots: list[str] = field(default_factory=list)  # the function's module's folder (before_ray)
+
     launched = True
     config_fields = LAUNCH_FIELDS  # config.toml: the settings a launched run reads
     train_rows = 0  # no data of the project's: the script reads its own
@@ -51,7 +56,8 @@ class LaunchedWork:
         return getattr(self.function, "__qualname__", repr(self.function))
 
     def before_ray(self, config: TrainConfig) -> list[str]:
-        """Refuse, in one line, what cannot run; nothing started, nothing written."""
+        """Refuse, in one line, what cannot run; nothing started, nothing written. Returns the folder the
+        function's module is imported from, for the workers."""
         if self.script is not None:
             self.script = _script_path(self.script)
         if self.tee not in TEE_CHOICES:
@@ -65,7 +71,9 @@ class LaunchedWork:
             raise ConfigError(
                 f"run {config.name!r} already finished in {config.run_dir}; choose a new --name to run it again"
             )
-        return []
+        root = import_root(f"{getattr(self.function, '__module__', '__main__')}:") if self.function else None
+        self.import_roots = [root] if root else []
+        return self.import_roots
 
     def with_ray(self, config: TrainConfig) -> None:
         pass
@@ -94,7 +102,10 @@ class LaunchedWork:
                 "tee": self.tee,
             }
             return run_script_per_worker, loop_config, {}, None
-        loop_config |= {"function": self.function, "function_args": self.function_args}
+        # pickled here, unpickled on the worker once the function's module is on its path (a Ray this process
+        # joined or started before had no say in its workers' PYTHONPATH)
+        function = cloudpickle.dumps((self.function, self.function_args))
+        loop_config |= {"function": function, "import_roots": self.import_roots}
         return run_function_per_worker, loop_config, {}, None
 
     def summary_fields(self, recorder) -> dict:

@@ -30,9 +30,11 @@ from pathlib import Path
 import ray
 import ray.train
 import ray.train.collective
+from ray import cloudpickle
 
 from raytrain_ddp import session
 from raytrain_ddp.errors import ScriptFailed, ScriptKilled
+from raytrain_ddp.plugins import add_import_roots
 from raytrain_ddp.worker.metrics import Heartbeat, monitor_post
 from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
 
@@ -260,7 +262,8 @@ def run_function_per_worker(loop_config: dict) -> None:
     up, with the session of a launched script."""
     supervisor = Supervisor(loop_config, on_stop=lambda reason: None)  # should_stop() reads the channel's flag
     os.environ.update(supervisor.session_env())
-    function, args = loop_config["function"], loop_config["function_args"]
+    add_import_roots(loop_config["import_roots"])
+    function, args = cloudpickle.loads(loop_config["function"])
     try:
         function() if args is None else function(args)
     finally:
