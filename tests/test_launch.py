@@ -233,3 +233,20 @@ def test_launch_refuses_a_setting_it_does_not_take(tmp_path):
 
     with pytest.raises(ConfigError, match="launch\\(\\) takes no setting epochs"):
         launch(print, epochs=3, storage_path=str(tmp_path))
+
+
+def test_a_hung_rank_is_found_by_its_stack_and_named(ray_address, tmp_path):
+    """Rank 1 waits on an event nobody sets, rank 0 for rank 1 in an all-reduce: no output, no CPU, no report.
+    After --hang-timeout-s the watchdog reads every rank's stack with py-spy and names the one outside a
+    collective, with its frames; with no restarts left the run ends there."""
+    result = _launch(ray_address, tmp_path, "hung", "--hang-timeout-s", "8", str(SCRIPTS / "hangs.py"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("Watchdog: no rank made progress for 8s")]
+    assert len(said) == 1, result.stderr[-3000:]
+    assert "; rank 1 on " in said[0] and " is not inside a collective; the others wait in one: " in said[0]
+    assert "wait_for_the_lock (hangs.py:11) <- <module> (hangs.py:17)" in said[0], said
+    assert "runpy" not in said[0] and "script_runner" not in said[0]  # the launcher's own frames left out
+    assert "the run ends: no restarts are left (--max-restarts 0)" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("Training failed: watchdog: no rank made progress")
+    driver_log = (tmp_path / "hung" / "driver.log").read_text()
+    assert "rank 0's stack (py-spy dump)" in driver_log and "all_reduce (torch/distributed/" in driver_log

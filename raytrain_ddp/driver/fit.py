@@ -20,6 +20,7 @@ from pathlib import Path
 
 import ray
 import ray.data
+from ray import cloudpickle
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -276,8 +277,12 @@ def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn
     task = task if task is not None else loaded.get("--task")
     if task is not None:  # a task without its methods fails here, in one line
         make_task(task, config, repr(config.task))
+    api_paths = [
+        f"{getattr(obj, '__module__', '__main__')}:" for obj in (model_fn, loss_fn, task, dataset_fn) if obj is not None
+    ]
+    roots = {root for path in [p for _, p in paths] + api_paths if (root := import_root(path))} | set(hooks_roots)
     return {
-        "import_roots": sorted({root for _, path in paths if (root := import_root(path))} | set(hooks_roots)),
+        "import_roots": sorted(roots),
         "hooks": hooks,
         "model_fn": model_fn,
         "loss_fn": loss_fn,
@@ -409,7 +414,10 @@ class BuiltinWork:
     def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
         """Ray Train's training function, its config, the datasets and their sharding."""
         loop_config = {"config": config.to_dict(), "spec": self.plan.spec.__dict__, "monitor": monitor}
-        loop_config["plugins"] = self.plugins
+        # The Python API's callables pickled here and unpickled on each worker once their modules' folders are on
+        # its path: Ray Train's controller unpickles its config first, where a user's module would not import.
+        objects = {name: value for name, value in self.plugins.items() if name != "import_roots"}
+        loop_config["plugins"] = {"import_roots": self.plugins["import_roots"], "objects": cloudpickle.dumps(objects)}
         return train_loop_per_worker, loop_config, build_datasets(config, self.plan), ShardingDataConfig()
 
 
@@ -558,7 +566,7 @@ def _train(
     if interrupted:
         raise Interrupted(work.interrupted_line(config, summary))
     if error:
-        log.error("Training failed: %s", error)
+        log.error("Training failed: %s", summary["error"])  # with the watchdog's verdict, if any
     else:
         work.say_outcome(config, summary)
         if summary["status"] == "finished":

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.driver import preflight
+from raytrain_ddp.driver import preflight, stacks
 from raytrain_ddp.driver.monitor import RunRecorder
 from raytrain_ddp.driver.run_lock import RunLock
 from raytrain_ddp.errors import one_line
@@ -64,20 +64,54 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
         )
         return
     verdict = f"no rank made progress for {hang_timeout_s}s; last seen: {liveness.describe_stall(recorder.workers)}"
+    stuck = liveness.stuck_rank()
+    if recorder.launched:  # a script's ranks: no phase to tell them apart, but their stacks can
+        stuck, verdict = _named_by_stacks(recorder, hang_timeout_s) or (stuck, verdict)
     log.error("Watchdog: %s", verdict)
     liveness.hangs.append(verdict)
-    worker = recorder.workers.get(liveness.stuck_rank())
+    worker = recorder.workers.get(stuck)
     if worker is None:
         return
     log.error(
-        "Watchdog: ending rank %d (pid %d on %s); Ray Train restarts the workers from the last checkpoint",
+        "Watchdog: ending rank %d (pid %d on %s); %s",
         worker["rank"],
         worker["pid"],
         worker["hostname"],
+        _next(recorder),
     )
     liveness.stuck_nodes.append(worker["hostname"])
     on_its_node = NodeAffinitySchedulingStrategy(worker["node_id"], soft=False)
     ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
+
+
+def _next(recorder: RunRecorder) -> str:
+    """What follows the end of a stuck rank: a restart while the run has restarts left, else the end."""
+    if recorder.restarts >= recorder.config.max_failures:
+        flag = "--max-restarts" if recorder.launched else "--max-failures"
+        return f"the run ends: no restarts are left ({flag} {recorder.config.max_failures})"
+    if recorder.launched:
+        return "Ray Train restarts every rank's script"
+    return "Ray Train restarts the workers from the last checkpoint"
+
+
+def _named_by_stacks(recorder: RunRecorder, hang_timeout_s: int) -> tuple[int, str] | None:
+    """(the rank, the verdict) when exactly one rank's stack is outside a collective: the one the others wait
+    for. Every rank's stack goes to driver.log."""
+    taken = stacks.take(recorder.workers)
+    for rank, stack in sorted(taken.items()):
+        progress_log.info("Watchdog: rank %d's stack (py-spy dump):\n%s", rank, stack)
+        if stack.startswith("no stack"):
+            log.warning("Watchdog: rank %d: %s", rank, stack)
+    outside = stacks.outside_collectives(taken, recorder.workers)
+    if len(outside) != 1:
+        return None
+    rank, frames = next(iter(outside.items()))
+    where = " <- ".join(frames[: stacks.TOP_FRAMES])
+    others = "; the others wait in one" if len(taken) > 1 else ""
+    return rank, (
+        f"no rank made progress for {hang_timeout_s}s; rank {rank} on {recorder.workers[rank]['hostname']} is not "
+        f"inside a collective{others}: {where} (every rank's stack: driver.log)"
+    )
 
 
 class NodeWatch:

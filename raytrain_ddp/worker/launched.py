@@ -91,10 +91,13 @@ class Supervisor:
         self.output: list[str] = []  # teed lines not yet sent to the driver
         self.output_lock = threading.Lock()
         self.cpu_of: Callable[[], int] = lambda: _cpu_ticks(os.getpid())
-        self.monitor.worker_started.remote(self.rank, self.describe())
         self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
         self.heartbeat.at(PHASE, 0, self.heartbeat.meter)
         threading.Thread(target=self._beat_forever, daemon=True, name="supervisor").start()
+
+    def announce(self, stack_pid: int | None) -> None:
+        """This rank to the driver; `stack_pid`: the process whose stack the watchdog takes (a script's)."""
+        self.monitor.worker_started.remote(self.rank, {**self.describe(), "stack_pid": stack_pid})
 
     def describe(self) -> dict:
         return {
@@ -207,6 +210,7 @@ def run_script_per_worker(loop_config: dict) -> None:
     command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", script, *args]
     child = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     supervisor.cpu_of = lambda: _cpu_ticks(child.pid)
+    supervisor.announce(stack_pid=child.pid)
     teed = loop_config["tee"] == "all" or supervisor.rank == 0
     tail = _pump_output(child, log_path, supervisor, teed)
     returncode, exited_at = child.wait(), time.time()
@@ -261,6 +265,7 @@ def run_function_per_worker(loop_config: dict) -> None:
     """Ray Train's training function for a user's function: call it here, in the process group Ray Train set
     up, with the session of a launched script."""
     supervisor = Supervisor(loop_config, on_stop=lambda reason: None)  # should_stop() reads the channel's flag
+    supervisor.announce(stack_pid=None)  # its main thread is Ray's, not the function's: no stack to read
     os.environ.update(supervisor.session_env())
     add_import_roots(loop_config["import_roots"])
     function, args = cloudpickle.loads(loop_config["function"])

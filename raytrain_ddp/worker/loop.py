@@ -28,6 +28,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from ray import cloudpickle
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
@@ -281,9 +282,10 @@ class WorkerLoop:
     def __init__(self, loop_config: dict) -> None:
         self.config = config = TrainConfig(**loop_config["config"])
         self.spec = DataSpec(**loop_config["spec"])
-        self.monitor, plugins = loop_config["monitor"], loop_config["plugins"]
+        self.monitor, packed = loop_config["monitor"], loop_config["plugins"]
         self.run_info = {"config": loop_config["config"], "data_spec": loop_config["spec"]}
-        add_import_roots(plugins["import_roots"])
+        add_import_roots(packed["import_roots"])
+        plugins = cloudpickle.loads(packed["objects"])  # once their modules are importable here
         self.hooks = worker_hooks(plugins.get("hooks"))
         context = ray.train.get_context()
         self.rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic runs: this attempt's
