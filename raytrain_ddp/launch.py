@@ -90,6 +90,18 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     return run_command(launch_script)
 
 
+def run_settings(argv: list[str]) -> dict:
+    """The run settings a launch command line chose (its --config file's, then its flags), not the script's:
+    what the Slurm launcher plans the job by. Raises ConfigError, or SystemExit(2) for a bad flag."""
+    from raytrain_ddp.config import load_toml
+
+    given = vars(build_parser().parse_args(argv))
+    for launch_only in ("script", "script_args", "tee"):
+        given.pop(launch_only)
+    config_file = given.pop("config", None)
+    return {**(load_toml(config_file) if config_file else {}), **given}
+
+
 def launch(target: Callable | str, args: Any = None, **settings: Any):
     """Run `target` on every worker and return a FitResult: a function is called as ``target(args)`` (``target()``
     when `args` is None) inside the process group the project set up; a script path runs as

@@ -169,12 +169,20 @@ def fstype_of(path: str, mounts: str) -> str:
 
 
 # ------------------------------------------------------------------ the trainer's flags
+LAUNCH_MODULE = "raytrain_ddp.launch"  # `start_ray_slurm.sh launch SCRIPT.py ARGS`: a script of one's own
+
+
 def chosen_settings(trainer_args: list[str], module: str = "raytrain_ddp.run") -> dict:
-    """The settings the user chose (flags and --config file), read by the trainer's own parser.
+    """The settings the user chose (flags and --config file), read by the trainer's own parser (launch's: its run
+    flags before the script, not the script's own).
 
     Raises SystemExit(2) with the parser's one line for a bad flag, ConfigError for a bad --config.
     Another trainer module (RAYTRAIN_MODULE) may take flags of its own: those are left to it.
     """
+    if module == LAUNCH_MODULE:
+        from raytrain_ddp.launch import run_settings
+
+        return run_settings(trainer_args)
     from raytrain_ddp.run import settings_from_args
 
     return settings_from_args(trainer_args, allow_unknown=module != "raytrain_ddp.run")

@@ -255,7 +255,7 @@ class Launcher:
             chosen, env.get("SLURM_SUBMIT_DIR") or os.getcwd(), env.get("SLURM_JOB_NAME"), job_id
         )
         self.name = where.name
-        self.args += where.extra_args
+        self.args = where.extra_args + self.args  # before a launched script's name: after it they would be its own
         if len(nodes) > 1:
             self.warn_node_local(where.storage, len(nodes))
         if "num_workers" in chosen and env.get("RAYTRAIN_PRECHECK", "1") == "1":
@@ -679,14 +679,17 @@ def _prefix_lines(stream, prefix: str) -> None:
 
 HELP = """\
 usage: {prog} [TRAINER FLAGS]
+       {prog} launch [RUN FLAGS] SCRIPT.py [SCRIPT ARGS]
 
 The batch part of a Slurm job: a Ray cluster on the job's nodes, then the trainer on it; on the time
 limit (USR1) a checkpoint, a requeue and a resume. Run inside a job, as cluster/start_ray_slurm.sh does.
-TRAINER FLAGS are the trainer's (python -m raytrain_ddp.run --help), less --address.
+TRAINER FLAGS are the trainer's (python -m raytrain_ddp.run --help), less --address; with `launch`, your own
+torchrun-style script runs once per worker (python -m raytrain_ddp.launch --help).
 
 examples:
   sbatch --nodes=2 --gpus-per-node=3 cluster/start_ray_slurm.sh --epochs 10 --data /shared/ds
   {prog} --epochs 10 --data /shared/ds     # the last line of your own sbatch script
+  sbatch --nodes=2 --gpus-per-node=8 cluster/start_ray_slurm.sh launch train.py --epochs 3
 """
 
 
@@ -696,6 +699,8 @@ def main(argv: list[str], prog: str = "python -m raytrain_ddp.cluster slurm") ->
         print(HELP.format(prog=prog), end="")
         return 0
     setup_logging()
+    if argv[:1] == ["launch"]:  # a script of one's own: the trainer module is launch's (see RAYTRAIN_MODULE)
+        os.environ["RAYTRAIN_MODULE"], argv = planning.LAUNCH_MODULE, argv[1:]
     launcher = Launcher(argv)
     launcher.install_signal_handlers()
     try:
