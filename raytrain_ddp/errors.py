@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
+import shutil
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 from raytrain_ddp.redact import redact
 
 EXIT_BAD_INPUT = 2  # bad input or a request the cluster cannot hold: nothing was started
+EXIT_STORAGE_FULL = 74  # EX_IOERR: the run's storage is full or over quota (StorageFull)
+# OS errors that every attempt to write the same bytes to the same file system would repeat
+STORAGE_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 
 
 class ConfigError(ValueError):
@@ -56,6 +65,83 @@ class DataReadError(Exception):
 
     def __reduce__(self):
         return type(self), (self.where, self.cause, self.corrupt)
+
+
+def full_storage_error(error: BaseException) -> OSError | None:
+    """The full-disk or over-quota OSError in `error` or what it chains to (torch.save raises a RuntimeError
+    whose context is the file's OSError), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in STORAGE_FULL_ERRNOS:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class StorageFull(Exception):
+    """Writing `what` to `path` failed for lack of space (ENOSPC) or quota (EDQUOT): a retry writes the same
+    bytes to the same file system and fails again, so the run ends at once (exit code 74). `free`/`total`: the
+    file system's bytes when it failed (None on object storage). Pickles whole (a worker's reaches the driver)."""
+
+    def __init__(self, what: str, path: str, reason: str, free: int | None = None, total: int | None = None):
+        space = f" ({_bytes(free)} free of {_bytes(total)})" if free is not None and total is not None else ""
+        super().__init__(
+            f"storage full: {reason} writing {what} to {path}{space}; free space and run the same command again "
+            "to resume"
+        )
+        self.what, self.path, self.reason, self.free, self.total = what, path, reason, free, total
+
+    def __reduce__(self):
+        return type(self), (self.what, self.path, self.reason, self.free, self.total)
+
+    @classmethod
+    def of(cls, error: OSError, what: str, path: str | os.PathLike | object) -> StorageFull:
+        """`error` (a full-storage OSError) as met writing `what` into `path` (a local path or a RemotePath)."""
+        usage = _disk_usage(path)
+        return cls(what, str(path), STORAGE_FULL_ERRNOS[error.errno], *(usage or (None, None)))
+
+    def record(self) -> dict:
+        """What summary.json says of it."""
+        return {"writing": self.what, "path": self.path, "free_bytes": self.free, "total_bytes": self.total}
+
+
+@contextlib.contextmanager
+def storage_full_as(what: str, path: str | os.PathLike | object) -> Iterator[None]:
+    """A full disk or quota met in the block, writing `what` into `path`, raised as StorageFull."""
+    try:
+        yield
+    except StorageFull:
+        raise
+    except Exception as err:
+        if (full := full_storage_error(err)) is None:
+            raise
+        raise StorageFull.of(full, what, path) from err
+
+
+def _disk_usage(path: str | os.PathLike | object) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system that holds `path` (its nearest existing parent); None on
+    object storage."""
+    if not isinstance(path, str | os.PathLike):
+        return None
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError:
+        return None
+    return usage.free, usage.total
+
+
+def _bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'; whole bytes below a KiB."""
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}".replace(".0 ", " ")
 
 
 def bad_input(err: BaseException) -> int:

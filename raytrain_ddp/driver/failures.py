@@ -2,8 +2,8 @@
 
 Ray Train's default policy restarts the worker group after any worker error, up
 to ``--max-failures``. A NaN loss, a corrupt row group, a bad hyper-parameter
-or a model that does not fit the data fails identically on every attempt, so
-the run ends at the first one; a killed or OOM-killed process, a lost node or a
+a model that does not fit the data or a full disk fails identically on every
+attempt, so the run ends at the first one; a killed or OOM-killed process, a lost node or a
 collective broken by either are still restarted.
 """
 
@@ -16,7 +16,7 @@ import ray.exceptions
 from ray.train import WorkerGroupError
 
 from raytrain_ddp import _ray_compat
-from raytrain_ddp.errors import DataReadError, headline
+from raytrain_ddp.errors import DataReadError, StorageFull, full_storage_error, headline
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
 DETERMINISTIC_TYPES = (
@@ -64,6 +64,8 @@ def is_deterministic(error: BaseException) -> bool:
         isinstance(c, DETERMINISTIC_TYPES)
         or (isinstance(c, RuntimeError) and SHAPE_MISMATCH.search(str(c)))
         or (isinstance(c, DataReadError) and c.corrupt)
+        or isinstance(c, StorageFull)
+        or full_storage_error(c) is not None
         for c in causes
     )
 
@@ -84,6 +86,19 @@ def describe_failure(error: BaseException) -> str:
     if failures:
         return "; ".join(f"rank {rank}: {headline(_unwrapped(exc))}" for rank, exc in sorted(failures.items()))
     return headline(_unwrapped(error))
+
+
+def storage_full_in(error: BaseException, run_dir: object) -> StorageFull | None:
+    """The full disk or quota that ended the run (a rank's StorageFull, or Ray Train's own write into
+    `run_dir`), else None: storage, not a rank, failed, so it is told alone."""
+    failures = list(error.worker_failures.values()) if isinstance(error, WorkerGroupError) else [error]
+    for failure in failures:
+        for cause in _causes(_unwrapped(failure)):
+            if isinstance(cause, StorageFull):
+                return cause
+            if (full := full_storage_error(cause)) is not None:
+                return StorageFull.of(full, "Ray Train's record of the run", full.filename or run_dir)
+    return None
 
 
 def _unwrapped(error: BaseException) -> BaseException:
