@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from raytrain_ddp.errors import full_storage_error
 from raytrain_ddp.storage import RunPath, Spool
 
 log = logging.getLogger("raytrain_ddp")
@@ -99,6 +100,8 @@ def epoch_scalars(record: dict) -> dict[str, float]:
 class TensorBoardLog:
     """Writes each epoch record as TensorBoard scalars into RUN_DIR/tensorboard/."""
 
+    label = "TensorBoard"
+
     def __init__(self, run_dir: RunPath) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -128,7 +131,9 @@ class TensorBoardLog:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             self._writer.flush()
-        except Exception as err:  # a full disk must not end the run; the metrics are in the .jsonl files too
+        except Exception as err:  # a full disk ends the run (the recorder's call); else the metrics are in the .jsonl
+            if full_storage_error(err) is not None:
+                raise
             log.warning("TensorBoard: could not write %s %s: %s", key, step, err)
 
     def close(self, summary: dict | None = None) -> None:
