@@ -7,7 +7,8 @@ raytrain_ddp.cluster.node; each first checks its network to the others), wait un
 joined, run the trainer against it, forward USR1 to the trainer, stop exactly this job's Ray processes
 however the job ends, and requeue the job when the trainer stopped after a checkpoint on USR1, or
 without the node(s) a failed network check or a failed run names (raytrain_ddp.cluster.health). The
-exit code is the trainer's; 3 means the Ray cluster could not be brought up.
+exit code is the trainer's; 3 means the Ray cluster could not be brought up. A run that failed for a full disk
+(74) is not requeued: it would fail again.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from raytrain_ddp.cluster.node import (
 )
 from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError
 from raytrain_ddp.storage import RunPath
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
@@ -382,6 +383,11 @@ class Launcher:
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
+        elif rc == EXIT_STORAGE_FULL:
+            log.error(
+                "the run's storage is full: not requeued (it would fail again); free space, then submit the same "
+                "command again: it resumes from the latest checkpoint"
+            )
         elif rc == 1 and failed_on:
             if why_not := self.why_not_requeued():
                 log.error("the run failed on %s; %s", ", ".join(failed_on), why_not)
