@@ -1,0 +1,173 @@
+"""A full disk ends a run once, in one line, with exit code 74; what was written stays whole, and the same command
+resumes once there is room. On real tmpfs mounts of the tests' own (root), filled at a known point."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from support import REPO, rank_epoch_message, run_cli
+
+from raytrain_ddp import TrainConfig, _ray_compat
+from raytrain_ddp.driver import fit as fit_module
+from raytrain_ddp.driver.monitor import RunRecorder
+from raytrain_ddp.errors import EXIT_STORAGE_FULL
+
+BYTES_LEFT = 64 * 1024  # room for the driver's records, not for a checkpoint (~250 KiB: the CNN and its momentum)
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str):
+    """A tmpfs of `size` mounted at `where` for the block. Skipped without root, except in CI."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the storage-full tests mount a tmpfs: CI runs them as root")
+        pytest.skip("mounting a tmpfs needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "--lazy", str(where)], check=True)
+
+
+def fill(disk: Path, bytes_left: int = 0) -> Path:
+    """Fill `disk` with a ballast file until `bytes_left` bytes are free."""
+    ballast = disk / "ballast"
+    usage = os.statvfs(disk)
+    with open(ballast, "ab") as file:
+        os.posix_fallocate(file.fileno(), 0, ballast.stat().st_size + usage.f_bavail * usage.f_frsize - bytes_left)
+    return ballast
+
+
+# ------------------------------------------------------------------ a run whose checkpoint fills the disk
+def _command(ray_address: str, storage: Path) -> list[str]:
+    """8 optimizer steps per epoch, a checkpoint every 4: epoch 1's mid-epoch and final ones, then epoch 2's at
+    step 4, which meets the full disk (the driver writes nothing then, so the line is always the checkpoint's)."""
+    return [
+        *("--address", ray_address, "--storage-path", str(storage), "--name", "full"),
+        *("--epochs", "2", "--train-size", "1024", "--val-size", "256", "--checkpoint-every-steps", "4"),
+        *("--no-report", "--no-tensorboard"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def filled_run(ray_address, tmp_path_factory):
+    """The command on a 16 MiB tmpfs that rank zero fills (but 64 KiB) as epoch 2 starts; then the ballast removed
+    and the same command again: (first's output, its run directory's files then, the second's output)."""
+    with small_disk(tmp_path_factory.mktemp("storage") / "small", "16m") as disk:
+        hooks = {
+            "RAYTRAIN_WORKER_HOOKS": "worker_hooks:FillDisk",
+            "RAYTRAIN_TEST_FILL_DISK": f"{disk / 'ballast'}:{BYTES_LEFT}:2",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        }
+        first = run_cli("raytrain_ddp.run", *_command(ray_address, disk), env=hooks)
+        print(first.stderr)  # what the user saw, on failure
+        run_dir = disk / "full"
+        left = {str(path.relative_to(run_dir)): path for path in run_dir.rglob("*")}
+        files = {
+            "names": sorted(left),
+            "summary": json.loads((run_dir / "summary.json").read_text()),
+            "epochs": [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
+            "recorded": _ray_compat.checkpoints_newest_first(_ray_compat.read_snapshot(run_dir) or {}),
+        }
+        files["latest"] = torch.load(run_dir / files["recorded"][0] / "checkpoint.pt", weights_only=True)
+        (disk / "ballast").unlink()
+        again = run_cli("raytrain_ddp.run", *_command(ray_address, disk))
+        files["epochs_after"] = [
+            json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+        files["summary_after"] = json.loads((run_dir / "summary.json").read_text())
+    return first, files, again
+
+
+@pytest.mark.ray
+def test_the_run_ends_at_once_in_one_line_with_exit_code_74(filled_run):
+    first, files, _ = filled_run
+    output = first.stderr
+    assert first.returncode == EXIT_STORAGE_FULL, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
+    assert len(said) == 1, output[-3000:]
+    assert re.fullmatch(
+        r"Training failed: storage full: no space left on device writing the checkpoint of epoch 2 at step 4 to "
+        r"\S+/small/full \([^()]+ free of 16 MiB\); free space and run the same command again to resume",
+        said[0],
+    ), said
+    assert "Traceback" not in output and "Error while reading worker news" not in output, output[-3000:]
+    assert "restarted the workers" not in output and files["summary"]["restarts"] == 0, files["summary"]
+    # the driver's records refused meanwhile (the workers run ahead of it): one warning at most
+    assert len([line for line in output.splitlines() if " not written: no space left on device" in line]) <= 1
+
+
+@pytest.mark.ray
+def test_the_summary_says_what_was_written_where(filled_run):
+    _, files, _ = filled_run
+    summary = files["summary"]
+    assert summary["status"] == "failed" and summary["error"].startswith("storage full: "), summary
+    assert summary["storage_full"]["writing"] == "the checkpoint of epoch 2 at step 4", summary
+    assert summary["storage_full"]["total_bytes"] == 16 * 2**20, summary
+    assert summary["epochs_completed"] == 1 and files["epochs"] == [1], files
+
+
+@pytest.mark.ray
+def test_the_cut_checkpoint_is_gone_and_the_latest_whole_one_is_epoch_1s(filled_run):
+    _, files, _ = filled_run
+    on_disk = {name for name in files["names"] if re.fullmatch(r"checkpoint_\d{4}-[^/]+", name)}
+    assert on_disk == set(files["recorded"]), files["names"]  # the one cut short was removed
+    assert not [name for name in files["names"] if name.endswith(".tmp")], files["names"]
+    assert (files["latest"]["epoch"], files["latest"]["step_in_epoch"]) == (1, 0)
+
+
+@pytest.mark.ray
+def test_the_same_command_resumes_and_finishes_once_there_is_room(filled_run):
+    _, files, again = filled_run
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from checkpoint " in again.stderr, again.stderr[-3000:]
+    assert files["epochs_after"] == [1, 2] and files["summary_after"]["status"] == "finished", files
+
+
+# ------------------------------------------------------------------ the driver's own files
+def test_the_driver_keeps_the_records_a_full_disk_refused_and_writes_them_when_there_is_room(tmp_path, caplog):
+    """metrics.jsonl on a full disk: one warning, however many records it refuses; they are kept in memory and
+    written at the next flush that finds room."""
+    with small_disk(tmp_path / "small", "1m") as disk:
+        config = TrainConfig(num_workers=2, log_every_steps=1, storage_path=str(disk), name="driver")
+        config.run_dir.mkdir()
+        recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+        ballast = fill(disk)
+        with caplog.at_level(logging.WARNING, logger="raytrain_ddp"):
+            for epoch in (1, 2):
+                recorder.consume([("epoch", rank, rank_epoch_message(rank, epoch=epoch)) for rank in (0, 1)])
+        assert re.fullmatch(
+            rf"storage full: no space left on device writing metrics.jsonl to {config.run_dir} \(\d+ B free of 1 MiB\)"
+            r"; free space and run the same command again to resume",
+            str(recorder.unwritten),
+        ), recorder.unwritten
+        assert [record.getMessage() for record in caplog.records] == [
+            "metrics.jsonl not written: no space left on device; kept in memory until there is room"
+        ]
+        assert not (config.run_dir / "metrics.jsonl").exists()
+        assert not [path for path in config.run_dir.iterdir()], "a temporary file was left behind"
+        ballast.unlink()
+        recorder.flush_files()
+        written = (config.run_dir / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["epoch"] for line in written] == [1, 2] and recorder.unwritten is None
+
+
+def test_a_summary_the_disk_refuses_goes_to_stderr_as_one_json_line(tmp_path, capsys):
+    with small_disk(tmp_path / "small", "1m") as disk:
+        ballast = fill(disk)
+        summary = {"status": "failed", "error": "storage full: ...", "epochs_completed": 1}
+        fit_module._write_summary(disk, summary)
+        assert not (disk / "summary.json").exists()
+        assert json.loads(capsys.readouterr().err.splitlines()[-1]) == summary
+        ballast.unlink()
+        fit_module._write_summary(disk, summary)
+        assert json.loads((disk / "summary.json").read_text()) == summary
