@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,13 +70,20 @@ class DataReadError(Exception):
 
 def full_storage_error(error: BaseException) -> OSError | None:
     """The full-disk or over-quota OSError in `error` or what it chains to (torch.save raises a RuntimeError
-    whose context is the file's OSError), else None."""
-    seen = set()
-    while error is not None and id(error) not in seen:
+    whose context is the file's OSError; DCP's CheckpointException holds each rank's (error, traceback) in
+    `failures`), else None."""
+    todo, seen = [error], set()
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in STORAGE_FULL_ERRNOS:
             return error
-        error = error.__cause__ or error.__context__
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            todo += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+        todo += [error.__cause__, error.__context__]
     return None
 
 
@@ -107,26 +115,52 @@ class StorageFull(Exception):
 
 
 @contextlib.contextmanager
-def storage_full_as(what: str, path: str | os.PathLike | object) -> Iterator[None]:
-    """A full disk or quota met in the block, writing `what` into `path`, raised as StorageFull."""
+def storage_full_as(what: str, path: str | os.PathLike | object, probe: bool = False) -> Iterator[None]:
+    """A full disk or quota met in the block, writing `what` into `path`, raised as StorageFull. `probe`: for a
+    failure that lost its errno, ask `path`'s file system whether it is full now."""
     try:
         yield
     except StorageFull:
         raise
-    except Exception as err:
-        if (full := full_storage_error(err)) is None:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # DCP's CheckpointException is one
+        if (full := full_storage_error(err) or (_refused_now(path) if probe else None)) is None:
             raise
         raise StorageFull.of(full, what, path) from err
 
 
-def _disk_usage(path: str | os.PathLike | object) -> tuple[int, int] | None:
-    """(free, total) bytes of the file system that holds `path` (its nearest existing parent); None on
-    object storage."""
+PROBE_BYTES = 2**20
+
+
+def _refused_now(path: str | os.PathLike | object) -> OSError | None:
+    """The full-storage OSError the file system of `path` raises now for a MiB, else None: for writers that lose
+    the errno (torch.save into DCP's stream sees a short write and says only `unexpected pos`)."""
+    if (where := _existing(path)) is None:
+        return None
+    try:
+        with tempfile.TemporaryFile(dir=where if where.is_dir() else where.parent) as probe:
+            os.posix_fallocate(probe.fileno(), 0, PROBE_BYTES)
+    except OSError as err:
+        return err if err.errno in STORAGE_FULL_ERRNOS else None
+    return None
+
+
+def _existing(path: str | os.PathLike | object) -> Path | None:
+    """`path` or its nearest existing parent; None on object storage (not a local path)."""
     if not isinstance(path, str | os.PathLike):
         return None
     where = Path(path).absolute()
     while not where.exists() and where != where.parent:
         where = where.parent
+    return where
+
+
+def _disk_usage(path: str | os.PathLike | object) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system that holds `path` (its nearest existing parent); None on
+    object storage."""
+    if (where := _existing(path)) is None:
+        return None
     try:
         usage = shutil.disk_usage(where)
     except OSError:

@@ -171,3 +171,32 @@ def test_a_summary_the_disk_refuses_goes_to_stderr_as_one_json_line(tmp_path, ca
         ballast.unlink()
         fit_module._write_summary(disk, summary)
         assert json.loads((disk / "summary.json").read_text()) == summary
+
+
+def test_a_sharded_checkpoint_on_a_full_disk_raises_storage_full_naming_it(tmp_path):
+    """DCP's background write of the shards meets the full disk (rank zero's small training_state.pt fitted): the
+    rank's flush raises StorageFull naming the checkpoint, and nothing is reported to Ray Train."""
+    from support import one_process_group
+
+    from raytrain_ddp.errors import StorageFull
+    from raytrain_ddp.worker import checkpoint as ckpt
+
+    model = torch.nn.Linear(512, 512)  # 1 MiB of weights
+    reported: list = []
+    with small_disk(tmp_path / "small", "1m") as disk, one_process_group():
+        saver = ckpt.ShardedSaver(disk, 0, report=lambda metrics, where: reported.append(where))
+        fill(disk, BYTES_LEFT)
+        plain = {"epoch": 1, "step_in_epoch": 3, "global_step": 11}
+        saver.save(model.state_dict(), {}, plain, {"epoch": 1})
+        with pytest.raises(StorageFull) as raised:
+            saver.flush()
+    assert str(raised.value).startswith(
+        f"storage full: no space left on device writing the checkpoint of epoch 2 at step 3 to {disk} ("
+    )
+    assert not reported and not saver.in_flight
+
+
+def test_help_lists_the_exit_code():
+    from raytrain_ddp.run import build_parser
+
+    assert "\n  74   the run's storage is full or over its quota (EX_IOERR)" in build_parser().format_help()

@@ -321,7 +321,7 @@ class ShardedSaver:
     def save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict) -> None:
         self.flush()  # one save in flight at a time
         what = described(position_of(plain))
-        with storage_full_as(what, self.write_dir):
+        with storage_full_as(what, self.write_dir, probe=True):  # DCP's writer loses the errno
             self._start_save(model_state, optimizer_state, plain, metrics, what)
 
     def _start_save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict, what: str) -> None:
@@ -349,7 +349,7 @@ class ShardedSaver:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        with storage_full_as(pending.what, self.write_dir):
+        with storage_full_as(pending.what, self.write_dir, probe=True):
             while True:
                 try:
                     pending.future.result(timeout=self.FLUSH_POLL_S)
