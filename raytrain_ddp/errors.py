@@ -15,9 +15,15 @@ from pathlib import Path
 from raytrain_ddp.redact import redact
 
 EXIT_BAD_INPUT = 2  # bad input or a request the cluster cannot hold: nothing was started
-EXIT_STORAGE_FULL = 74  # EX_IOERR: the run's storage is full or over quota (StorageFull)
-# OS errors that every attempt to write the same bytes to the same file system would repeat
-STORAGE_FULL_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+EXIT_STORAGE_FULL = 74  # EX_IOERR: the run's storage is full, over quota or read-only (StorageFull)
+# OS errors that every attempt to write the same bytes to the same file system would repeat: full, over quota, or
+# no room at all (a mount turned read-only, as a file system with errors turns itself)
+READ_ONLY = "read-only file system"
+STORAGE_FULL_ERRNOS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: READ_ONLY,
+}
 
 
 class ConfigError(ValueError):
@@ -88,15 +94,19 @@ def full_storage_error(error: BaseException) -> OSError | None:
 
 
 class StorageFull(Exception):
-    """Writing `what` to `path` failed for lack of space (ENOSPC) or quota (EDQUOT): a retry writes the same
-    bytes to the same file system and fails again, so the run ends at once (exit code 74). `free`/`total`: the
-    file system's bytes when it failed (None on object storage). Pickles whole (a worker's reaches the driver)."""
+    """Writing `what` to `path` failed for lack of space (ENOSPC) or quota (EDQUOT), or on a mount that turned
+    read-only (EROFS): a retry writes the same bytes to the same file system and fails again, so the run ends at
+    once (exit code 74). `free`/`total`: the file system's bytes when it failed (None on object storage).
+    Pickles whole (a worker's reaches the driver)."""
 
     def __init__(self, what: str, path: str, reason: str, free: int | None = None, total: int | None = None):
-        space = f" ({_bytes(free)} free of {_bytes(total)})" if free is not None and total is not None else ""
+        known = free is not None and total is not None and reason != READ_ONLY
+        space = f" ({_bytes(free or 0)} free of {_bytes(total or 0)})" if known else ""
+        state, remedy = (
+            ("storage read-only", "make it writable") if reason == READ_ONLY else ("storage full", "free space")
+        )
         super().__init__(
-            f"storage full: {reason} writing {what} to {path}{space}; free space and run the same command again "
-            "to resume"
+            f"{state}: {reason} writing {what} to {path}{space}; {remedy} and run the same command again to resume"
         )
         self.what, self.path, self.reason, self.free, self.total = what, path, reason, free, total
 
@@ -111,7 +121,13 @@ class StorageFull(Exception):
 
     def record(self) -> dict:
         """What summary.json says of it."""
-        return {"writing": self.what, "path": self.path, "free_bytes": self.free, "total_bytes": self.total}
+        return {
+            "reason": self.reason,
+            "writing": self.what,
+            "path": self.path,
+            "free_bytes": self.free,
+            "total_bytes": self.total,
+        }
 
 
 @contextlib.contextmanager

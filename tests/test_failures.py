@@ -31,6 +31,7 @@ from raytrain_ddp.errors import DataReadError, StorageFull, full_storage_error
         (OSError("Stale file handle"), False),
         (OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device"), True),
         (OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+        (OSError(errno.EROFS, "Read-only file system"), True),
     ],
     ids=[
         "nan-loss",
@@ -42,6 +43,7 @@ from raytrain_ddp.errors import DataReadError, StorageFull, full_storage_error
         "storage-glitch",
         "disk-full",
         "over-quota",
+        "read-only",
     ],
 )
 def test_which_errors_are_deterministic(error, deterministic):

@@ -199,4 +199,22 @@ def test_a_sharded_checkpoint_on_a_full_disk_raises_storage_full_naming_it(tmp_p
 def test_help_lists_the_exit_code():
     from raytrain_ddp.run import build_parser
 
-    assert "\n  74   the run's storage is full or over its quota (EX_IOERR)" in build_parser().format_help()
+    assert "\n  74   the run's storage is full, over its quota or read-only (EX_IOERR)" in build_parser().format_help()
+
+
+def test_a_mount_turned_read_only_is_told_as_such_and_the_records_wait_for_it(tmp_path):
+    """A file system remounted read-only mid-run (as one with errors remounts itself): the same path as a full
+    disk, in its own words."""
+    with small_disk(tmp_path / "small", "1m") as disk:
+        config = TrainConfig(num_workers=2, storage_path=str(disk), name="driver")
+        config.run_dir.mkdir()
+        recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        recorder.consume([("epoch", rank, rank_epoch_message(rank)) for rank in (0, 1)])
+        assert str(recorder.unwritten) == (
+            f"storage read-only: read-only file system writing metrics.jsonl to {config.run_dir}; make it writable "
+            "and run the same command again to resume"
+        )
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        recorder.flush_files()
+        assert recorder.unwritten is None and (config.run_dir / "metrics.jsonl").exists()

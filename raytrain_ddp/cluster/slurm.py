@@ -7,8 +7,8 @@ raytrain_ddp.cluster.node; each first checks its network to the others), wait un
 joined, run the trainer against it, forward USR1 to the trainer, stop exactly this job's Ray processes
 however the job ends, and requeue the job when the trainer stopped after a checkpoint on USR1, or
 without the node(s) a failed network check or a failed run names (raytrain_ddp.cluster.health). The
-exit code is the trainer's; 3 means the Ray cluster could not be brought up. A run that failed for a full disk
-(74) is not requeued: it would fail again.
+exit code is the trainer's; 3 means the Ray cluster could not be brought up. A run that failed for a full (or
+read-only) disk (74) is not requeued: it would fail again.
 """
 
 from __future__ import annotations
@@ -385,8 +385,8 @@ class Launcher:
             self.requeue = True
         elif rc == EXIT_STORAGE_FULL:
             log.error(
-                "the run's storage is full: not requeued (it would fail again); free space, then submit the same "
-                "command again: it resumes from the latest checkpoint"
+                "the run's storage is full or read-only: not requeued (it would fail again); free space (or make it "
+                "writable), then submit the same command again: it resumes from the latest checkpoint"
             )
         elif rc == 1 and failed_on:
             if why_not := self.why_not_requeued():
