@@ -375,11 +375,17 @@ class Launcher:
         self.trainer = subprocess.Popen(cmd)
         rc = self.wait_for_trainer()
         self.trainer = None
+        self.after_trainer(rc, run_dir, summary_before)
+        return rc
+
+    def after_trainer(self, rc: int, run_dir: RunPath, summary_before: dict) -> None:
+        """What the trainer's exit code (and its summary) says of the job: requeue it (without nodes it failed
+        on), or not, each said in one line."""
         log.info("trainer exited with code %d; run directory: %s", rc, run_dir)
         summary = self.summary(run_dir) if rc != 0 else {}  # read only when it has a failure to explain
         if unexplained := health.ended_without_summary(rc, summary_before, summary):
             log.error("%s", unexplained)
-        failed_on = health.nodes_the_run_failed_on(summary, plan.nodes) if rc != 0 else []
+        failed_on = health.nodes_the_run_failed_on(summary, self.plan.nodes) if rc != 0 else []
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
@@ -399,7 +405,6 @@ class Launcher:
                 )
                 self.requeue = True
         self.exclude += failed_on if self.requeue else []
-        return rc
 
     def why_not_requeued(self) -> str | None:
         """Why the job is not requeued without the nodes its failure is blamed on (None: it is)."""
