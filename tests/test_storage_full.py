@@ -134,16 +134,20 @@ def test_the_same_command_resumes_and_finishes_once_there_is_room(filled_run):
 
 
 # ------------------------------------------------------------------ the driver's own files
-def test_the_driver_keeps_the_records_a_full_disk_refused_and_writes_them_when_there_is_room(tmp_path, caplog):
-    """metrics.jsonl on a full disk: one warning, however many records it refuses; they are kept in memory and
-    written at the next flush that finds room."""
+def test_the_driver_keeps_the_records_a_full_disk_refused_and_writes_them_when_there_is_room(tmp_path, caplog, capsys):
+    """metrics.jsonl and TensorBoard's events on a full disk: one warning, however many records it refuses, no
+    traceback (TensorBoard's writer thread dies of it); the records are kept in memory and written at the next
+    flush that finds room."""
+    from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
+
     with small_disk(tmp_path / "small", "1m") as disk:
         config = TrainConfig(num_workers=2, log_every_steps=1, storage_path=str(disk), name="driver")
         config.run_dir.mkdir()
-        recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+        tensorboard = TensorBoardLog(config.run_dir)
+        recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[tensorboard])
         ballast = fill(disk)
         with caplog.at_level(logging.WARNING, logger="raytrain_ddp"):
-            for epoch in (1, 2):
+            for epoch in range(1, 41):  # TensorBoard's events fill the page its file has
                 recorder.consume([("epoch", rank, rank_epoch_message(rank, epoch=epoch)) for rank in (0, 1)])
         assert re.fullmatch(
             rf"storage full: no space left on device writing metrics.jsonl to {config.run_dir} \(\d+ B free of 1 MiB\)"
@@ -154,11 +158,13 @@ def test_the_driver_keeps_the_records_a_full_disk_refused_and_writes_them_when_t
             "metrics.jsonl not written: no space left on device; kept in memory until there is room"
         ]
         assert not (config.run_dir / "metrics.jsonl").exists()
-        assert not [path for path in config.run_dir.iterdir()], "a temporary file was left behind"
+        assert [path.name for path in config.run_dir.iterdir()] == ["tensorboard"], "a temporary file was left behind"
+        tensorboard.close()
+        assert "Traceback" not in capsys.readouterr().err
         ballast.unlink()
         recorder.flush_files()
         written = (config.run_dir / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(line)["epoch"] for line in written] == [1, 2] and recorder.unwritten is None
+        assert [json.loads(line)["epoch"] for line in written] == list(range(1, 41)) and recorder.unwritten is None
 
 
 def test_a_summary_the_disk_refuses_goes_to_stderr_as_one_json_line(tmp_path, capsys):
@@ -218,3 +224,19 @@ def test_a_mount_turned_read_only_is_told_as_such_and_the_records_wait_for_it(tm
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
         recorder.flush_files()
         assert recorder.unwritten is None and (config.run_dir / "metrics.jsonl").exists()
+
+
+def test_driver_log_lines_a_full_disk_refuses_are_said_once_not_a_traceback_each(tmp_path, capsys):
+    with small_disk(tmp_path / "small", "1m") as disk:
+        handler = fit_module._RunLogFile(disk / "driver.log")
+        logger = logging.getLogger("raytrain_ddp.test_storage_full")
+        logger.addHandler(handler)
+        try:
+            fill(disk)
+            for n in range(200):  # more than a page: the file needs another one
+                logger.warning("line %d of the driver's log, long enough to fill a page soon: %s", n, "x" * 40)
+        finally:
+            logger.removeHandler(handler)
+            handler.close()
+    err = capsys.readouterr().err
+    assert err.count("lines left out") == 1 and "Traceback" not in err, err[-2000:]

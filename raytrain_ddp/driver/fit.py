@@ -200,15 +200,24 @@ def _describe_start(
 
 
 class _RunLogFile(logging.FileHandler):
-    """driver.log: a line its file system refuses (full) is lost and said once on the console, not a traceback
-    per line (logging's default)."""
+    """driver.log: lines its file system refuses (full) are lost and said once on the console, not a traceback
+    per line (logging's default), nor one when the log closes."""
 
     refused = False
 
     def handleError(self, record: logging.LogRecord) -> None:
+        self._say_refused(sys.exc_info()[1])
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as err:  # its last lines
+            self._say_refused(err)
+
+    def _say_refused(self, err: BaseException | None) -> None:
         if not self.refused:
             self.refused = True
-            sys.stderr.write(f"{self.baseFilename}: lines left out ({one_line(sys.exc_info()[1] or OSError())})\n")
+            sys.stderr.write(f"{self.baseFilename}: lines left out ({one_line(err or OSError())})\n")
 
 
 def _log_to_console_and_file(run_dir: RunPath) -> tuple[logging.Handler, Spool]:
