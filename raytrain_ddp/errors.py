@@ -75,7 +75,7 @@ class DataReadError(Exception):
 
 
 def full_storage_error(error: BaseException) -> OSError | None:
-    """The full-disk or over-quota OSError in `error` or what it chains to (torch.save raises a RuntimeError
+    """The full-disk, over-quota or read-only OSError in `error` or what it chains to (torch.save raises a RuntimeError
     whose context is the file's OSError; DCP's CheckpointException holds each rank's (error, traceback) in
     `failures`), else None."""
     todo, seen = [error], set()
@@ -132,8 +132,8 @@ class StorageFull(Exception):
 
 @contextlib.contextmanager
 def storage_full_as(what: str, path: str | os.PathLike | object, probe: bool = False) -> Iterator[None]:
-    """A full disk or quota met in the block, writing `what` into `path`, raised as StorageFull. `probe`: for a
-    failure that lost its errno, ask `path`'s file system whether it is full now."""
+    """A full disk or quota (or a read-only mount) met in the block, writing `what` into `path`, raised as
+    StorageFull. `probe`: for a failure that lost its errno, ask `path`'s file system whether it is full now."""
     try:
         yield
     except StorageFull:

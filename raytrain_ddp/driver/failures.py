@@ -1,10 +1,11 @@
 """Which failures Ray Train retries: not the ones that would fail again the same way.
 
 Ray Train's default policy restarts the worker group after any worker error, up
-to ``--max-failures``. A NaN loss, a corrupt row group, a bad hyper-parameter
-a model that does not fit the data or a full disk fails identically on every
-attempt, so the run ends at the first one; a killed or OOM-killed process, a lost node or a
-collective broken by either are still restarted.
+to ``--max-failures``. A NaN loss, a corrupt row group, a bad hyper-parameter,
+a model that does not fit the data or a full (or read-only) disk fails
+identically on every attempt, so the run ends at the first one; a killed or
+OOM-killed process, a lost node or a collective broken by either are still
+restarted.
 """
 
 from __future__ import annotations
@@ -89,15 +90,15 @@ def describe_failure(error: BaseException) -> str:
 
 
 def storage_full_in(error: BaseException, run_dir: object) -> StorageFull | None:
-    """The full disk or quota that ended the run (a rank's StorageFull, or Ray Train's own write into
-    `run_dir`), else None: storage, not a rank, failed, so it is told alone."""
+    """The full (or read-only) storage that ended the run (a rank's StorageFull, or a write of Ray Train's own
+    into `run_dir`), else None: storage, not a rank, failed, so it is told alone."""
     failures = list(error.worker_failures.values()) if isinstance(error, WorkerGroupError) else [error]
     for failure in failures:
         for cause in _causes(_unwrapped(failure)):
             if isinstance(cause, StorageFull):
                 return cause
             if (full := full_storage_error(cause)) is not None:
-                return StorageFull.of(full, "Ray Train's record of the run", full.filename or run_dir)
+                return StorageFull.of(full, "the run's files", full.filename or run_dir)
     return None
 
 

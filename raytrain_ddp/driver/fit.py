@@ -87,7 +87,7 @@ class FitResult:
 
     @property
     def storage_full(self) -> bool:
-        """Failed for a full disk or quota: free space, then running it again resumes it."""
+        """Failed for a full disk or quota (or a read-only mount): free space, then running it again resumes it."""
         return bool(self.summary.get("storage_full"))
 
     @property
@@ -321,7 +321,8 @@ def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> tuple[dict | N
 
 
 def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None) -> FitResult:
-    """Train as `config` says; return where the results are. Raises ConfigError on bad input.
+    """Train as `config` says; return where the results are. Raises ConfigError on bad input, StorageFull when
+    the run directory's storage is full before training starts (once it has started, the result says so).
 
     `model_fn(config) -> nn.Module`, `dataset_fn(config) -> {"train", "val"}` (Ray
     Datasets of rows {x, y}) and `loss_fn(outputs, targets)` replace the built-in

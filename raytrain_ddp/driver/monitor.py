@@ -225,12 +225,12 @@ class RunRecorder:
         if self.steps_file is None:
             return
         try:
-            self._write("steps.jsonl", self.steps_file.flush)  # a file a full disk refused is written whole
+            self._write("steps.jsonl", self.steps_file.flush, again=self.steps_file.flush)  # written whole
         except OSError as err:
             log.warning("%s not written yet: %s", self.steps_file.path, one_line(err))
 
     def _write(self, name: str, write: Callable[[], None], again: Callable[[], None] | None = None) -> None:
-        """One write into the run directory (`name`: what it writes). Storage full or over quota is said once;
+        """One write into the run directory (`name`: what it writes). Storage full (or read-only) is said once;
         `again`, the write that brings the file up to date, is tried at each flush until one finds room (the
         records stay in memory). The run goes on: the workers' next checkpoint, into the same storage, ends it
         as Ray Train's controller takes in what they reported before (stopping it now could lose that)."""
@@ -255,6 +255,6 @@ class RunRecorder:
         steps_file = self.steps_file
         assert steps_file is not None  # steps are recorded only with --log-every-steps
         record = aggregate_step(by_rank)
-        self._write("steps.jsonl", functools.partial(steps_file.add, record))
+        self._write("steps.jsonl", functools.partial(steps_file.add, record), again=steps_file.flush)
         for sink in self.sinks:
             self._write(f"the {sink.label} records", functools.partial(sink.write_step, record))
