@@ -118,7 +118,8 @@ def test_the_summary_says_what_was_written_where(filled_run):
 
 @pytest.mark.ray
 def test_the_cut_checkpoint_is_gone_and_the_latest_whole_one_is_epoch_1s(filled_run):
-    _, files, _ = filled_run
+    first, files, _ = filled_run
+    assert re.search(r"Removed unfinished checkpoint \S+ \(.*\): the storage refused the rest of it", first.stderr)
     on_disk = {name for name in files["names"] if re.fullmatch(r"checkpoint_\d{4}-[^/]+", name)}
     assert on_disk == set(files["recorded"]), files["names"]  # the one cut short was removed
     assert not [name for name in files["names"] if name.endswith(".tmp")], files["names"]

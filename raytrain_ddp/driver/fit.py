@@ -530,7 +530,8 @@ def _after_storage_full(run_dir: RunPath, recorder: RunRecorder) -> None:
     """A run a full disk ended (or left records unwritten): the checkpoint cut short removed (a resume takes the
     latest whole one, and its space is free again), then what the driver could not write tried once more."""
     try:
-        run_checkpoints.clear_unrecorded(run_dir, run_checkpoints.read_snapshot(run_dir))
+        snapshot = run_checkpoints.read_snapshot(run_dir)
+        run_checkpoints.clear_unrecorded(run_dir, snapshot, cut_by="the storage refused the rest of it")
     except (ConfigError, OSError) as err:  # the next start tries again
         log.warning("Unfinished checkpoints not cleared yet: %s", one_line(err))
     recorder.flush_files()
