@@ -241,3 +241,18 @@ def test_driver_log_lines_a_full_disk_refuses_are_said_once_not_a_traceback_each
             handler.close()
     err = capsys.readouterr().err
     assert err.count("lines left out") == 1 and "Traceback" not in err, err[-2000:]
+
+
+def test_a_disk_full_before_training_is_one_line_and_nothing_starts(tmp_path):
+    """The lock file is the run's first write: refused, the run ends there, before Ray (the CLI: exit code 74)."""
+    from raytrain_ddp import fit
+    from raytrain_ddp.errors import StorageFull
+
+    with small_disk(tmp_path / "small", "1m") as disk:
+        fill(disk)
+        with pytest.raises(StorageFull) as raised:
+            fit(TrainConfig(storage_path=str(disk), name="x", epochs=1, train_size=256, val_size=64))
+    assert str(raised.value) == (
+        f"storage full: no space left on device writing the run directory to {disk / 'x'} (0 B free of 1 MiB); "
+        "free space and run the same command again to resume"
+    )
