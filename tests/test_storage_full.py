@@ -256,3 +256,18 @@ def test_a_disk_full_before_training_is_one_line_and_nothing_starts(tmp_path):
         f"storage full: no space left on device writing the run directory to {disk / 'x'} (0 B free of 1 MiB); "
         "free space and run the same command again to resume"
     )
+
+
+def test_sample_ids_on_a_full_disk_raise_storage_full_naming_them(tmp_path):
+    import numpy as np
+
+    from raytrain_ddp.errors import StorageFull
+    from raytrain_ddp.worker.loop import save_sample_ids
+
+    with small_disk(tmp_path / "small", "1m") as disk:
+        config = TrainConfig(storage_path=str(disk), name="ids", record_sample_ids=True)
+        fill(disk)
+        with pytest.raises(StorageFull) as raised:
+            save_sample_ids(config, 3, 1, [np.arange(4096)])
+        assert str(raised.value).startswith("storage full: no space left on device writing the sample ids of epoch 3 ")
+        assert not list(disk.rglob("*.tmp")) and not list(disk.rglob("*.npy"))  # nothing half-written
