@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 from raytrain_ddp.redact import redact
 
 EXIT_BAD_INPUT = 2  # bad input or a request the cluster cannot hold: nothing was started
+EXIT_STORAGE_FULL = 74  # EX_IOERR: the run's storage is full, over quota or read-only (StorageFull)
+# OS errors that every attempt to write the same bytes to the same file system would repeat: full, over quota, or
+# no room at all (a mount turned read-only, as a file system with errors turns itself)
+READ_ONLY = "read-only file system"
+STORAGE_FULL_ERRNOS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: READ_ONLY,
+}
 
 
 class ConfigError(ValueError):
@@ -56,6 +72,126 @@ class DataReadError(Exception):
 
     def __reduce__(self):
         return type(self), (self.where, self.cause, self.corrupt)
+
+
+def full_storage_error(error: BaseException) -> OSError | None:
+    """The full-disk, over-quota or read-only OSError in `error` or what it chains to (torch.save raises a RuntimeError
+    whose context is the file's OSError; DCP's CheckpointException holds each rank's (error, traceback) in
+    `failures`), else None."""
+    todo, seen = [error], set()
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in STORAGE_FULL_ERRNOS:
+            return error
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            todo += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+        todo += [error.__cause__, error.__context__]
+    return None
+
+
+class StorageFull(Exception):
+    """Writing `what` to `path` failed for lack of space (ENOSPC) or quota (EDQUOT), or on a mount that turned
+    read-only (EROFS): a retry writes the same bytes to the same file system and fails again, so the run ends at
+    once (exit code 74). `free`/`total`: the file system's bytes when it failed (None on object storage).
+    Pickles whole (a worker's reaches the driver)."""
+
+    def __init__(self, what: str, path: str, reason: str, free: int | None = None, total: int | None = None):
+        known = free is not None and total is not None and reason != READ_ONLY
+        space = f" ({_bytes(free or 0)} free of {_bytes(total or 0)})" if known else ""
+        state, remedy = (
+            ("storage read-only", "make it writable") if reason == READ_ONLY else ("storage full", "free space")
+        )
+        super().__init__(
+            f"{state}: {reason} writing {what} to {path}{space}; {remedy} and run the same command again to resume"
+        )
+        self.what, self.path, self.reason, self.free, self.total = what, path, reason, free, total
+
+    def __reduce__(self):
+        return type(self), (self.what, self.path, self.reason, self.free, self.total)
+
+    @classmethod
+    def of(cls, error: OSError, what: str, path: str | os.PathLike | object) -> StorageFull:
+        """`error` (a full-storage OSError) as met writing `what` into `path` (a local path or a RemotePath)."""
+        usage = _disk_usage(path)
+        return cls(what, str(path), STORAGE_FULL_ERRNOS[error.errno], *(usage or (None, None)))
+
+    def record(self) -> dict:
+        """What summary.json says of it."""
+        return {
+            "reason": self.reason,
+            "writing": self.what,
+            "path": self.path,
+            "free_bytes": self.free,
+            "total_bytes": self.total,
+        }
+
+
+@contextlib.contextmanager
+def storage_full_as(what: str, path: str | os.PathLike | object, probe: bool = False) -> Iterator[None]:
+    """A full disk or quota (or a read-only mount) met in the block, writing `what` into `path`, raised as
+    StorageFull. `probe`: for a failure that lost its errno, ask `path`'s file system whether it is full now."""
+    try:
+        yield
+    except StorageFull:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # DCP's CheckpointException is one
+        if (full := full_storage_error(err) or (_refused_now(path) if probe else None)) is None:
+            raise
+        raise StorageFull.of(full, what, path) from err
+
+
+PROBE_BYTES = 2**20
+
+
+def _refused_now(path: str | os.PathLike | object) -> OSError | None:
+    """The full-storage OSError the file system of `path` raises now for a MiB, else None: for writers that lose
+    the errno (torch.save into DCP's stream sees a short write and says only `unexpected pos`)."""
+    if (where := _existing(path)) is None:
+        return None
+    try:
+        with tempfile.TemporaryFile(dir=where if where.is_dir() else where.parent) as probe:
+            os.posix_fallocate(probe.fileno(), 0, PROBE_BYTES)
+    except OSError as err:
+        return err if err.errno in STORAGE_FULL_ERRNOS else None
+    return None
+
+
+def _existing(path: str | os.PathLike | object) -> Path | None:
+    """`path` or its nearest existing parent; None on object storage (not a local path)."""
+    if not isinstance(path, str | os.PathLike):
+        return None
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return where
+
+
+def _disk_usage(path: str | os.PathLike | object) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system that holds `path` (its nearest existing parent); None on
+    object storage."""
+    if (where := _existing(path)) is None:
+        return None
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError:
+        return None
+    return usage.free, usage.total
+
+
+def _bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'; whole bytes below a KiB."""
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}".replace(".0 ", " ")
 
 
 def bad_input(err: BaseException) -> int:

@@ -17,9 +17,11 @@ from raytrain_ddp.config import TrainConfig, _field_type, load_toml
 from raytrain_ddp.driver.signals import hold_early_stop_signals
 from raytrain_ddp.errors import (  # noqa: F401 (EXIT_BAD_INPUT: the exit codes, together)
     EXIT_BAD_INPUT,
+    EXIT_STORAGE_FULL,
     ConfigError,
     OneLineErrorParser,
     RunTakenOver,
+    StorageFull,
     bad_input,
     one_line,
 )
@@ -42,12 +44,15 @@ exit codes:
   1    training failed (the error per rank is in the log and RUN_DIR/summary.json), or another
        driver took the run directory over (this one hung past the lock's stale limit)
   2    bad input or a request the cluster cannot hold (nothing was started)
+  74   the run's storage is full, over its quota or read-only (EX_IOERR): the latest whole checkpoint is kept;
+       free space (or make it writable) and run the same command again to resume
   75   stopped early on SIGUSR1/SIGTERM after a checkpoint (EX_TEMPFAIL):
        run the same command again to resume
   130  interrupted (Ctrl-C)
 """
 
-EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 75, 130  # EXIT_BAD_INPUT (2) comes with the one-line errors
+# EXIT_BAD_INPUT (2) and EXIT_STORAGE_FULL (74) come with the one-line errors
+EXIT_FAILED, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 75, 130
 
 
 def build_parser(
@@ -133,6 +138,9 @@ def run_command(run: Callable[[], FitResult]) -> int:
     except RunTakenOver as err:  # another driver went on with this run directory; this run stopped
         print(f"error: {one_line(err)}", file=sys.stderr)
         return EXIT_FAILED
+    except StorageFull as err:  # before training started (the lock, config.toml): nothing to summarise
+        print(f"Training failed: {one_line(err)}", file=sys.stderr)
+        return EXIT_STORAGE_FULL
     except KeyboardInterrupt as interrupt:  # fit()'s says how far the run got; before it, there is nothing to say
         if sys.stderr.isatty():
             sys.stderr.write("\r\033[K")  # the line on its own, not after a progress line
@@ -140,6 +148,8 @@ def run_command(run: Callable[[], FitResult]) -> int:
         return EXIT_INTERRUPTED
     if result.stopped:
         return EXIT_STOPPED
+    if result.storage_full:
+        return EXIT_STORAGE_FULL
     return 0 if result.ok else EXIT_FAILED
 
 

@@ -233,3 +233,27 @@ def lane_of(nodeid: str) -> str:
     """The lane of a test: "testbed" or "local-ray" (its file decides)."""
     path = PurePosixPath(nodeid.split("::", 1)[0])
     return "testbed" if path.parent.name == "slurm" or path.name in TESTBED_LANE_FILES else "local-ray"
+
+
+def rank_epoch_message(rank: int, **overrides) -> dict:
+    """What `WorkerLoop.report_epoch` sends for one rank."""
+    message = {
+        "epoch": 1,
+        "rank": rank,
+        "train_loss": 1.0 + rank,
+        "samples": 100 * (rank + 1),
+        "micro_batches": 4,
+        "steps": 4,
+        "optimizer_steps": 4,
+        "skipped_steps": 0,
+        "grad_allreduces": 4,
+        "lr": 0.1,
+        "train_seconds": 2.0 + rank,
+        "data_wait_seconds": 0.01,
+        "step_seconds": 0.1,
+        "val_loss": 0.5,
+        "val_accuracy": 0.9,
+        "val_rows": 64,
+        "allreduce_wait_seconds": 0.2,
+    }
+    return {**message, **overrides}

@@ -194,7 +194,7 @@ def test_waiting_for_a_sharded_write_tells_the_bytes_written(tmp_path):
     with one_process_group():
         saver = ckpt.ShardedSaver(tmp_path, 0, report=lambda metrics, where: reported.append(where))
         saver.progress = told.append
-        saver.pending = ckpt._Pending(written, directory, {"epoch": 1})
+        saver.pending = ckpt._Pending(written, directory, {"epoch": 1}, "the checkpoint of epoch 1")
         threading.Thread(target=write, daemon=True).start()
         saver.flush()
     assert reported == [directory] and not saver.in_flight

@@ -172,3 +172,34 @@ def test_a_trainer_that_failed_without_writing_its_summary_is_told_apart():
     assert health.ended_without_summary(1, stopped, failed) is None  # its own summary says why
     assert health.ended_without_summary(0, {}, {}) is None
     assert health.ended_without_summary(2, {}, {}) is None  # a bad input: its one line is out
+
+
+@pytest.mark.parametrize(
+    "rc, error, requeued",
+    [(1, "lost node n2 (10.0.0.2, rank(s) 1) after 1 epoch(s); ...", True), (74, "storage full: ...", False)],
+    ids=["lost-node", "storage-full"],
+)
+def test_a_run_whose_storage_is_full_is_not_requeued_and_the_log_says_so(tmp_path, caplog, rc, error, requeued):
+    """Exit code 74: the storage is as full whichever nodes the job gets, so the job is not requeued, and one line
+    says so (a run that failed on a lost node is requeued without it)."""
+    import json
+    import logging
+
+    from raytrain_ddp.cluster.slurm import Launcher
+
+    (tmp_path / "summary.json").write_text(json.dumps({"error": error, "lost_nodes": [{"hostname": "n2"}]}))
+    launcher = Launcher([])
+    launcher.plan = plan.job_plan(
+        {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3"},
+        NODES,
+        head_ip="10.0.0.1",
+        ports=plan.port_blocks(7, 1)[0],
+        python="py",
+        home="/h",
+        fallback_cpus=1,
+    )
+    with caplog.at_level(logging.INFO, logger="raytrain_ddp"):
+        launcher.after_trainer(rc, tmp_path, {})
+    assert launcher.requeue is requeued and launcher.exclude == (["n2"] if requeued else [])
+    not_requeued = [r.getMessage() for r in caplog.records if "not requeued (it would fail again)" in r.getMessage()]
+    assert len(not_requeued) == (0 if requeued else 1), caplog.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import pickle
 import re
 import traceback
@@ -14,8 +15,8 @@ import ray.exceptions
 from ray.train import WorkerGroupError
 from support import corrupt_row_group
 
-from raytrain_ddp.driver.failures import describe_failure, is_deterministic, may_retry
-from raytrain_ddp.errors import DataReadError
+from raytrain_ddp.driver.failures import describe_failure, is_deterministic, may_retry, storage_full_in
+from raytrain_ddp.errors import DataReadError, StorageFull, full_storage_error
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,9 @@ from raytrain_ddp.errors import DataReadError
         (RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"), False),
         (ray.exceptions.ActorDiedError(), False),
         (OSError("Stale file handle"), False),
+        (OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device"), True),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+        (OSError(errno.EROFS, "Read-only file system"), True),
     ],
     ids=[
         "nan-loss",
@@ -37,6 +41,9 @@ from raytrain_ddp.errors import DataReadError
         "collective-broken",
         "process-killed",
         "storage-glitch",
+        "disk-full",
+        "over-quota",
+        "read-only",
     ],
 )
 def test_which_errors_are_deterministic(error, deterministic):
@@ -96,6 +103,25 @@ def test_a_worker_error_is_its_type_and_first_line():
         "rank 0: ValueError: Error(s) in loading state_dict for Net: size mismatch for fc.weight; "
         "rank 1: OSError: disk gone"
     )
+
+
+def test_a_full_disk_on_a_rank_is_not_retried_and_told_alone():
+    """A rank's StorageFull crosses to the driver whole (pickled, as Ray sends it): the run is not retried, and its
+    line is the storage's, not a rank's. torch.save's full disk is a RuntimeError over the file's OSError."""
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+    except RuntimeError as err:
+        cause = full_storage_error(err)
+        assert cause is not None
+        full = pickle.loads(pickle.dumps(StorageFull.of(cause, "the checkpoint of epoch 2", "/no/such/x")))
+    said = str(full)
+    assert said.startswith("storage full: no space left on device writing the checkpoint of epoch 2 to /no/such/x (")
+    assert " free of " in said and said.endswith("); free space and run the same command again to resume"), said
+    failed = WorkerGroupError("traceback text", {0: full, 1: RuntimeError("[gloo] Connection closed by peer")})
+    assert not may_retry(failed) and storage_full_in(failed, "/runs/x") is full
 
 
 @pytest.mark.ray

@@ -6,37 +6,13 @@ import json
 import threading
 
 import pytest
+from support import rank_epoch_message
 
 from raytrain_ddp import TrainConfig
 from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, find_stragglers
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.monitor import RunRecorder
 from raytrain_ddp.driver.run_files import MetricsFile
-
-
-def _rank_message(rank: int, **overrides) -> dict:
-    """What `WorkerLoop.report_epoch` sends for one rank."""
-    message = {
-        "epoch": 1,
-        "rank": rank,
-        "train_loss": 1.0 + rank,
-        "samples": 100 * (rank + 1),
-        "micro_batches": 4,
-        "steps": 4,
-        "optimizer_steps": 4,
-        "skipped_steps": 0,
-        "grad_allreduces": 4,
-        "lr": 0.1,
-        "train_seconds": 2.0 + rank,
-        "data_wait_seconds": 0.01,
-        "step_seconds": 0.1,
-        "val_loss": 0.5,
-        "val_accuracy": 0.9,
-        "val_rows": 64,
-        "allreduce_wait_seconds": 0.2,
-    }
-    return {**message, **overrides}
-
 
 METRICS_FIELDS = [
     "epoch",
@@ -69,7 +45,8 @@ METRICS_FIELDS = [
 
 
 def test_an_epoch_record_weighs_ranks_by_samples_and_keeps_every_field():
-    record = aggregate_epoch({1: _rank_message(1), 0: _rank_message(0)}, TrainConfig(batch_size=8, grad_accum=2))
+    by_rank = {1: rank_epoch_message(1), 0: rank_epoch_message(0)}
+    record = aggregate_epoch(by_rank, TrainConfig(batch_size=8, grad_accum=2))
     assert list(record) == METRICS_FIELDS
     assert record["train_loss"] == pytest.approx((1.0 * 100 + 2.0 * 200) / 300)
     assert (record["train_loss_min"], record["train_loss_max"]) == (1.0, 2.0)
@@ -81,8 +58,8 @@ def test_an_epoch_record_weighs_ranks_by_samples_and_keeps_every_field():
 
 def test_an_epoch_record_says_when_validation_differs_and_keeps_gpu_memory():
     by_rank = {
-        0: _rank_message(0, gpu_memory_peak_gib=1.5),
-        1: _rank_message(1, val_accuracy=0.8, gpu_memory_peak_gib=2),
+        0: rank_epoch_message(0, gpu_memory_peak_gib=1.5),
+        1: rank_epoch_message(1, val_accuracy=0.8, gpu_memory_peak_gib=2),
     }
     record = aggregate_epoch(by_rank, TrainConfig())
     assert not record["val_identical_across_ranks"]
@@ -241,9 +218,9 @@ def test_the_recorder_turns_a_whole_epoch_into_metrics_jsonl_and_counts_restarts
     started = [("started", rank, {"rank": rank, "world_size": 2, "hostname": "h", "node_id": "n"}) for rank in (0, 1)]
     with caplog.at_level("INFO", logger="raytrain_ddp"):
         recorder.consume(started + [("progress", 0, {**_beat(1, 1, "training"), "time": 1.0})])
-        recorder.consume([("epoch", 0, _rank_message(0))])
+        recorder.consume([("epoch", 0, rank_epoch_message(0))])
         assert recorder.epochs == {}  # half an epoch: nothing written
-        recorder.consume([("epoch", 1, _rank_message(1)), ("finished", 0, "abc")])
+        recorder.consume([("epoch", 1, rank_epoch_message(1)), ("finished", 0, "abc")])
     lines = (config.run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [1]
     assert recorder.checksums == {0: "abc"} and recorder.restarts == 0

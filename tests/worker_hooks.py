@@ -151,3 +151,19 @@ def _counting(original, name: str, count):
         return original(self, *args, **kwargs)
 
     return counted
+
+
+class FillDisk(WorkerHooks):
+    """RAYTRAIN_TEST_FILL_DISK=ballast:bytes_left:epoch: at the first micro-batch of `epoch`, rank 0 fills the file
+    system that holds `ballast` with that file (allocated, not written) until `bytes_left` bytes are free: the
+    disk fills at a known point, whatever the run wrote before."""
+
+    def __init__(self) -> None:
+        self.ballast, left, epoch = os.environ["RAYTRAIN_TEST_FILL_DISK"].split(":")
+        self.bytes_left, self.epoch = int(left), int(epoch)
+
+    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
+        if (rank, epoch, micro_batch) == (0, self.epoch, 1):
+            disk = os.statvfs(os.path.dirname(self.ballast))
+            with open(self.ballast, "wb") as file:
+                os.posix_fallocate(file.fileno(), 0, disk.f_bavail * disk.f_frsize - self.bytes_left)

@@ -7,7 +7,8 @@ raytrain_ddp.cluster.node; each first checks its network to the others), wait un
 joined, run the trainer against it, forward USR1 to the trainer, stop exactly this job's Ray processes
 however the job ends, and requeue the job when the trainer stopped after a checkpoint on USR1, or
 without the node(s) a failed network check or a failed run names (raytrain_ddp.cluster.health). The
-exit code is the trainer's; 3 means the Ray cluster could not be brought up.
+exit code is the trainer's; 3 means the Ray cluster could not be brought up. A run that failed for a full (or
+read-only) disk (74) is not requeued: it would fail again.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from raytrain_ddp.cluster.node import (
 )
 from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError
 from raytrain_ddp.storage import RunPath
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
@@ -374,14 +375,25 @@ class Launcher:
         self.trainer = subprocess.Popen(cmd)
         rc = self.wait_for_trainer()
         self.trainer = None
+        self.after_trainer(rc, run_dir, summary_before)
+        return rc
+
+    def after_trainer(self, rc: int, run_dir: RunPath, summary_before: dict) -> None:
+        """What the trainer's exit code (and its summary) says of the job: requeue it (without nodes it failed
+        on), or not, each said in one line."""
         log.info("trainer exited with code %d; run directory: %s", rc, run_dir)
         summary = self.summary(run_dir) if rc != 0 else {}  # read only when it has a failure to explain
         if unexplained := health.ended_without_summary(rc, summary_before, summary):
             log.error("%s", unexplained)
-        failed_on = health.nodes_the_run_failed_on(summary, plan.nodes) if rc != 0 else []
+        failed_on = health.nodes_the_run_failed_on(summary, self.plan.nodes) if rc != 0 else []
         if rc == EXIT_STOPPED and self.got_usr1:
             log.info("the trainer stopped after a checkpoint on USR1: requeueing the job once Ray is stopped")
             self.requeue = True
+        elif rc == EXIT_STORAGE_FULL:
+            log.error(
+                "the run's storage is full or read-only: not requeued (it would fail again); free space (or make it "
+                "writable), then submit the same command again: it resumes from the latest checkpoint"
+            )
         elif rc == 1 and failed_on:
             if why_not := self.why_not_requeued():
                 log.error("the run failed on %s; %s", ", ".join(failed_on), why_not)
@@ -393,7 +405,6 @@ class Launcher:
                 )
                 self.requeue = True
         self.exclude += failed_on if self.requeue else []
-        return rc
 
     def why_not_requeued(self) -> str | None:
         """Why the job is not requeued without the nodes its failure is blamed on (None: it is)."""

@@ -1,10 +1,11 @@
 """Which failures Ray Train retries: not the ones that would fail again the same way.
 
 Ray Train's default policy restarts the worker group after any worker error, up
-to ``--max-failures``. A NaN loss, a corrupt row group, a bad hyper-parameter
-or a model that does not fit the data fails identically on every attempt, so
-the run ends at the first one; a killed or OOM-killed process, a lost node or a
-collective broken by either are still restarted.
+to ``--max-failures``. A NaN loss, a corrupt row group, a bad hyper-parameter,
+a model that does not fit the data or a full (or read-only) disk fails
+identically on every attempt, so the run ends at the first one; a killed or
+OOM-killed process, a lost node or a collective broken by either are still
+restarted.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import ray.exceptions
 from ray.train import WorkerGroupError
 
 from raytrain_ddp import _ray_compat
-from raytrain_ddp.errors import DataReadError, ScriptFailed, ScriptKilled, failure_line
+from raytrain_ddp.errors import DataReadError, ScriptFailed, ScriptKilled, StorageFull, failure_line, full_storage_error
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
 DETERMINISTIC_TYPES = (
@@ -65,6 +66,8 @@ def is_deterministic(error: BaseException) -> bool:
         isinstance(c, DETERMINISTIC_TYPES)
         or (isinstance(c, RuntimeError) and SHAPE_MISMATCH.search(str(c)))
         or (isinstance(c, DataReadError) and c.corrupt)
+        or isinstance(c, StorageFull)
+        or full_storage_error(c) is not None
         for c in causes
     )
 
@@ -104,6 +107,19 @@ def _first_script_failure(failures: dict[int, ScriptFailed]) -> str:
     others = sorted(set(failures) - {first})
     then = f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} too" if others else ""
     return f"rank {first}: {failure_line(failures[first])}{then}"
+
+
+def storage_full_in(error: BaseException, run_dir: object) -> StorageFull | None:
+    """The full (or read-only) storage that ended the run (a rank's StorageFull, or a write of Ray Train's own
+    into `run_dir`), else None: storage, not a rank, failed, so it is told alone."""
+    failures = list(error.worker_failures.values()) if isinstance(error, WorkerGroupError) else [error]
+    for failure in failures:
+        for cause in _causes(_unwrapped(failure)):
+            if isinstance(cause, StorageFull):
+                return cause
+            if (full := full_storage_error(cause)) is not None:
+                return StorageFull.of(full, "the run's files", full.filename or run_dir)
+    return None
 
 
 def _unwrapped(error: BaseException) -> BaseException:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -28,14 +29,14 @@ from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock, tracker
-from raytrain_ddp.driver.failures import Trainer, describe_failure
+from raytrain_ddp.driver.failures import Trainer, describe_failure, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.wandb_log import WandbLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
-from raytrain_ddp.errors import ConfigError, RunTakenOver, one_line
+from raytrain_ddp.errors import ConfigError, RunTakenOver, StorageFull, one_line, storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object, make_task
@@ -84,6 +85,11 @@ class FitResult:
     @property
     def ok(self) -> bool:
         return self.summary["status"] == "finished"
+
+    @property
+    def storage_full(self) -> bool:
+        """Failed for a full disk or quota (or a read-only mount): free space, then running it again resumes it."""
+        return bool(self.summary.get("storage_full"))
 
     @property
     def stopped(self) -> bool:
@@ -203,6 +209,27 @@ def _describe_training(config: TrainConfig, workers: int, spec: DataSpec) -> Non
         )
 
 
+class _RunLogFile(logging.FileHandler):
+    """driver.log: lines its file system refuses (full) are lost and said once on the console, not a traceback
+    per line (logging's default), nor one when the log closes."""
+
+    refused = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._say_refused(sys.exc_info()[1])
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as err:  # its last lines
+            self._say_refused(err)
+
+    def _say_refused(self, err: BaseException | None) -> None:
+        if not self.refused:
+            self.refused = True
+            sys.stderr.write(f"{self.baseFilename}: lines left out ({one_line(err or OSError())})\n")
+
+
 def _log_to_console_and_file(run_dir: RunPath) -> tuple[logging.Handler, Spool]:
     """Console output for scripts and notebooks that set up no logging; a full log in the run dir (on object
     storage: written locally, uploaded when the run ends)."""
@@ -210,7 +237,7 @@ def _log_to_console_and_file(run_dir: RunPath) -> tuple[logging.Handler, Spool]:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     log.setLevel(logging.INFO)
     spool = Spool(run_dir, fetch=(DRIVER_LOG,))
-    log_file = logging.FileHandler(spool.local / DRIVER_LOG)
+    log_file = _RunLogFile(spool.local / DRIVER_LOG)
     log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log_file.addFilter(RedactFilter())  # records of child loggers too (they skip the parent's own filters)
     log.addHandler(log_file)
@@ -316,7 +343,8 @@ def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> tuple[dict | N
 
 
 def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None) -> FitResult:
-    """Train as `config` says; return where the results are. Raises ConfigError on bad input.
+    """Train as `config` says; return where the results are. Raises ConfigError on bad input, StorageFull when
+    the run directory's storage is full before training starts (once it has started, the result says so).
 
     `model_fn(config) -> nn.Module`, `dataset_fn(config) -> {"train", "val"}` (Ray
     Datasets of rows {x, y}), `loss_fn(outputs, targets)` and `task` (training_step/validation_step, see
@@ -332,7 +360,12 @@ def run(config: TrainConfig, work) -> FitResult:
     """One run of `work` (the built-in loop's :class:`BuiltinWork`, or a user's script or function:
     driver.launch.LaunchedWork) under the same lock, signals, cluster, run directory, watcher and summary."""
     config.validate()
-    with run_lock.hold(config.run_dir) as lock, stop_on_signals() as stop_signal:
+    # a full disk met anywhere else (the lock, config.toml) ends the run too, as StorageFull
+    with (
+        storage_full_as("the run directory", config.run_dir),
+        run_lock.hold(config.run_dir) as lock,
+        stop_on_signals() as stop_signal,
+    ):
         return _run(config, work, stop_signal, lock)
 
 
@@ -519,7 +552,7 @@ def _train(
     watch_args = (monitor, recorder, stop, config, NodeWatch(nodes, ray.get_runtime_context().gcs_address), lock)
     watcher = threading.Thread(target=watch, args=watch_args, daemon=True)
     watcher.start()
-    error, result, interrupted = None, None, False
+    error, result, interrupted, failure = None, None, False, None
     stop_signal.forward_to(monitor)
     try:
         result = _make_trainer(config, work, monitor, start_workers, work.data_kind).fit()
@@ -531,12 +564,12 @@ def _train(
             with interrupts_deferred():
                 _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
-        error = describe_failure(err)
+        error, failure = describe_failure(err), err
     except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
         error = recorder.abort_reason or f"the Ray Train controller died: {one_line(err)}"
     except Exception as err:  # the controller itself failed: the run still ends with a summary
         progress_log.info("Ray Train failed", exc_info=True)  # the traceback in driver.log; the console: one line
-        error = describe_failure(err)
+        error, failure = describe_failure(err), err
     finally:
         with interrupts_deferred():
             stop_signal.training_over = True
@@ -554,15 +587,21 @@ def _train(
         raise RunTakenOver(lock.takeover_message())
     if stop_signal.reason:
         log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
+    ranks_full = storage_full_in(failure, run_dir) if failure else None
+    if ranks_full or recorder.unwritten:
+        _after_storage_full(run_dir, recorder)
+    if full := ranks_full or recorder.unwritten:  # the workers' first: their failure ended the run
+        error = str(full)
 
     with interrupts_deferred():
         summary = None
         try:
             summary = _summary(config, work, recorder, result, error, stop_reason, time.time() - started, interrupted)
+            summary["storage_full"] = full.record() if full else None
         finally:  # the trackers end with the run's outcome (W&B's summary, MLflow's status)
             for sink in sinks:
                 sink.close(summary)
-        _finish(config, run_dir, summary, report=not interrupted and not work.launched)  # the report: epochs
+        _finish(config, run_dir, summary, report=not interrupted and not full and not work.launched)  # epochs
     if interrupted:
         raise Interrupted(work.interrupted_line(config, summary))
     if error:
@@ -572,6 +611,17 @@ def _train(
         if summary["status"] == "finished":
             _warn_if_profile_cut(config, run_dir, recorder)
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
+
+
+def _after_storage_full(run_dir: RunPath, recorder: RunRecorder) -> None:
+    """A run a full disk ended (or left records unwritten): the checkpoint cut short removed (a resume takes the
+    latest whole one, and its space is free again), then what the driver could not write tried once more."""
+    try:
+        snapshot = run_checkpoints.read_snapshot(run_dir)
+        run_checkpoints.clear_unrecorded(run_dir, snapshot, cut_by="the storage refused the rest of it")
+    except (ConfigError, OSError) as err:  # the next start tries again
+        log.warning("Unfinished checkpoints not cleared yet: %s", one_line(err))
+    recorder.flush_files()
 
 
 def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRecorder) -> None:
@@ -614,7 +664,13 @@ def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) 
 
 
 def _write_summary(run_dir: RunPath, summary: dict) -> None:
-    write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")  # whole, masked
+    """RUN_DIR/summary.json, whole, credentials masked; where its storage is full, one JSON line on stderr."""
+    try:
+        with storage_full_as("summary.json", run_dir):
+            write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")
+    except StorageFull as full:
+        log.warning("%s not written (%s); the summary follows as one JSON line", run_dir / "summary.json", full.reason)
+        print(redact(json.dumps(summary)), file=sys.stderr, flush=True)
 
 
 def _link_ray_logs(run_dir: RunPath) -> None:
@@ -626,7 +682,10 @@ def _link_ray_logs(run_dir: RunPath) -> None:
     if session_dir and link.is_symlink():
         link.unlink()  # a resumed run (a requeued job, a new Ray): point at this session's logs
     if session_dir and not link.exists():
-        link.symlink_to(Path(session_dir) / "logs")
+        try:
+            link.symlink_to(Path(session_dir) / "logs")
+        except OSError as err:  # a full disk: the logs stay where Ray keeps them
+            log.warning("%s not linked to %s: %s", link, session_dir, one_line(err))
 
 
 def _entry_uri(config: TrainConfig, fs_path: str) -> str:

@@ -16,8 +16,10 @@ optimizer step, aggregated as each step is in from every rank into ``steps.jsonl
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -27,7 +29,7 @@ from raytrain_ddp.driver.console import Console
 from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_report, aggregate_step, validation_results
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
-from raytrain_ddp.errors import one_line
+from raytrain_ddp.errors import StorageFull, one_line, storage_full_as
 from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
@@ -119,7 +121,7 @@ class RunRecorder:
         self.train_rows = train_rows
         self.world_size = world_size  # of the current attempt: elastic runs (--min-workers) change it
         self.sinks = (
-            sinks  # TensorBoardLog, MlflowLog, WandbLog: write_epoch(record), write_step(record), close(summary)
+            sinks  # TensorBoardLog, MlflowLog, WandbLog: write_epoch(record), write_step(record), close(summary), label
         )
         self.workers: dict[int, dict] = {}
         self.starts_of_rank0 = 0
@@ -135,6 +137,8 @@ class RunRecorder:
         self.interrupted_at: float | None = None  # (monotonic) when a lost node took ranks; None while a group runs
         self.abort_reason: str | None = None  # why the driver ended the run (capacity did not come back)
         self.cluster_gone = False  # the Ray cluster itself went away (its GCS stopped answering)
+        self.storage_full: StorageFull | None = None  # the first write the run directory's storage refused
+        self._unwritten: dict[str, Callable[[], None]] = {}  # file -> the write a full disk refused, to try again
 
     @property
     def steps_per_epoch(self) -> int:
@@ -222,26 +226,54 @@ class RunRecorder:
         for straggler in record["stragglers"]:
             log.warning("Epoch %d: rank %d is a straggler: %s", record["epoch"], straggler["rank"], straggler["why"])
         self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
-        self.metrics_file.write(self.epochs)
+        write_metrics = functools.partial(self.metrics_file.write, self.epochs)  # rewritten whole: also the retry
+        self._write("metrics.jsonl", write_metrics, again=write_metrics)
         self.flush_files()
         for sink in self.sinks:
-            sink.write_epoch(record)
+            self._write(f"the {sink.label} records", functools.partial(sink.write_epoch, record))
         self.console.show_row(record, progress_shown=bool(self.liveness.positions))
 
     def flush_files(self) -> None:
-        """What the run directory's files do not hold yet (steps.jsonl on object storage) written there; a
-        storage error is a warning (the next flush tries again), never the end of the run."""
+        """What the run directory's files do not hold yet written there: steps.jsonl on object storage, and
+        what a full disk refused (kept in memory till then). Another storage error is a warning (the next flush
+        tries again), never the end of the run."""
+        for name, write in list(self._unwritten.items()):
+            self._write(name, write, again=write)
         if self.steps_file is None:
             return
         try:
-            self.steps_file.flush()
+            self._write("steps.jsonl", self.steps_file.flush, again=self.steps_file.flush)  # written whole
         except OSError as err:
             log.warning("%s not written yet: %s", self.steps_file.path, one_line(err))
 
+    def _write(self, name: str, write: Callable[[], None], again: Callable[[], None] | None = None) -> None:
+        """One write into the run directory (`name`: what it writes). Storage full (or read-only) is said once;
+        `again`, the write that brings the file up to date, is tried at each flush until one finds room (the
+        records stay in memory). The run goes on: the workers' next checkpoint, into the same storage, ends it
+        as Ray Train's controller takes in what they reported before (stopping it now could lose that)."""
+        try:
+            with storage_full_as(name, self.run_dir):
+                write()
+        except StorageFull as full:
+            if again is not None:
+                self._unwritten[name] = again
+            if self.storage_full is None:
+                self.storage_full = full
+                log.warning("%s not written: %s; kept in memory until there is room", name, full.reason)
+        else:
+            self._unwritten.pop(name, None)
+
+    @property
+    def unwritten(self) -> StorageFull | None:
+        """Why files of the run directory lack records (still kept in memory), or None when they hold them all."""
+        return self.storage_full if self._unwritten else None
+
     def _record_step(self, by_rank: dict[int, dict]) -> None:
+        steps_file = self.steps_file
+        assert steps_file is not None  # steps are recorded only with --log-every-steps, or a launched run's reports
         record = aggregate_report(by_rank) if self.launched else aggregate_step(by_rank)
-        self.steps_file.add(record)
+        self._write("steps.jsonl", functools.partial(steps_file.add, record), again=steps_file.flush)
         if self.launched:
             self.console.show_report(record)
         for sink in self.sinks:
-            sink.write_step(record)
+            self._write(f"the {sink.label} records", functools.partial(sink.write_step, record))

@@ -148,12 +148,12 @@ def set_aside_corrupt_latest(run_dir: RunPath, state: dict) -> tuple[RunPath, di
     return resume_from
 
 
-def clear_unrecorded(run_dir: RunPath, state: dict | None) -> None:
+def clear_unrecorded(run_dir: RunPath, state: dict | None, cut_by: str = "the run ended while it was written") -> None:
     """Checkpoint directories of the run that Ray Train never recorded: the run ended (crashed, killed) while
     one was being written (a sharded one's ranks still writing, a full one's upload cut short), or after its
     write but before its report. Ray Train's retention never sees them: one that does not load is removed,
     one that does is kept and named (it is not resumed from: Ray Train resumes from its latest recorded).
-    `state`: the run's snapshot (None when it has none)."""
+    `state`: the run's snapshot (None when it has none); `cut_by`: what the log says cut an unfinished one short."""
     recorded = set(_ray_compat.checkpoints_newest_first(state)) if state else set()
     directories: list[RunPath] = sorted(run_dir.glob(CHECKPOINT_GLOB), key=str)
     for directory in directories:
@@ -167,7 +167,7 @@ def clear_unrecorded(run_dir: RunPath, state: dict | None) -> None:
                 directory,
             )
         else:
-            log.warning("Removed unfinished checkpoint %s (%s): the run ended while it was written", directory, why)
+            log.warning("Removed unfinished checkpoint %s (%s): %s", directory, why, cut_by)
             remove_tree(directory)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.storage import RemotePath, RunPath
@@ -41,7 +42,7 @@ class StepsFile:
         self.path = run_dir / "steps.jsonl"
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         self.records = [json.loads(line) for line in lines if line.strip()]
-        self._unwritten = False  # records the file does not hold yet (object storage only)
+        self._unwritten = False  # records the file does not hold yet (object storage, or a failed write)
         self._written_at = time.monotonic()
 
     def add(self, record: dict) -> None:
@@ -55,14 +56,21 @@ class StepsFile:
             self._unwritten = True
             if time.monotonic() - self._written_at >= self.REMOTE_WRITE_EVERY_S:
                 self.flush()
-        elif replaced:
+        elif replaced or self._unwritten:
             self._write_whole()
         else:
-            with self.path.open("a") as file:
+            self._append(self.path, record)
+
+    def _append(self, path: Path, record: dict) -> None:
+        try:
+            with path.open("a") as file:
                 file.write(json.dumps(record) + "\n")
+        except OSError:
+            self._unwritten = True  # the line may be cut short (a full disk): the next write rewrites the file whole
+            raise
 
     def flush(self) -> None:
-        """Write what object storage has not got yet (a local file is always up to date)."""
+        """Write what the file does not hold yet: on object storage, or after a write that failed."""
         if self._unwritten:
             self._write_whole()
 

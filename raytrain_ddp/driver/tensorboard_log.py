@@ -22,8 +22,10 @@ step/train_loss_min, step/train_loss_max, step/lr, step/samples_per_second.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
+from raytrain_ddp.errors import full_storage_error, one_line
 from raytrain_ddp.storage import RunPath, Spool
 
 log = logging.getLogger("raytrain_ddp")
@@ -96,8 +98,17 @@ def epoch_scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def _quiet_full_disk_in_writer(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard's writer thread ends on a full disk with a traceback on stderr; the next write raises the same
+    error in the driver's thread, which says it in one line. Any other error of any thread goes on as before."""
+    if type(args.thread).__name__ != "_AsyncWriterThread" or full_storage_error(args.exc_value) is None:
+        _quiet_full_disk_in_writer.previous(args)  # type: ignore[attr-defined]
+
+
 class TensorBoardLog:
     """Writes each epoch record as TensorBoard scalars into RUN_DIR/tensorboard/."""
+
+    label = "TensorBoard"
 
     def __init__(self, run_dir: RunPath) -> None:
         try:
@@ -110,6 +121,10 @@ class TensorBoardLog:
         self.log_dir = self._spool.local
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._refused = False  # a full disk stopped the writer (its thread is gone): said once
+        if threading.excepthook is not _quiet_full_disk_in_writer:
+            _quiet_full_disk_in_writer.previous = threading.excepthook  # type: ignore[attr-defined]
+            threading.excepthook = _quiet_full_disk_in_writer
 
     def write_epoch(self, record: dict) -> None:
         """One point per scalar at global_step = record["epoch"]; flushed so TensorBoard shows it now."""
@@ -128,13 +143,22 @@ class TensorBoardLog:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, global_step=step)
             self._writer.flush()
-        except Exception as err:  # a full disk must not end the run; the metrics are in the .jsonl files too
+        except Exception as err:  # a full disk is the recorder's one warning; else the metrics are in the .jsonl
+            if full_storage_error(err) is not None:
+                self._refused = True
+                raise
             log.warning("TensorBoard: could not write %s %s: %s", key, step, err)
 
     def close(self, summary: dict | None = None) -> None:
         """`summary` (the run's, as the other trackers take it) adds nothing to the event files."""
         if self._writer is not None:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except Exception as err:  # its last events
+                if full_storage_error(err) is None:
+                    raise
+                if not self._refused:
+                    log.warning("TensorBoard: the last events not written: %s", one_line(err))
             self._writer = None
             self._spool.upload()
 

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, storage_full_as
 from raytrain_ddp.redact import redact_values
 from raytrain_ddp.storage import RemotePath, RunPath, local_copy, location
 
@@ -109,9 +109,21 @@ def plain_state(training_state: dict, position: Position, metrics: dict, run_inf
     }
 
 
+def described(position: Position) -> str:
+    """How a message names the checkpoint taken at `position`."""
+    if position.step_in_epoch:
+        return f"the checkpoint of epoch {position.epoch + 1} at step {position.step_in_epoch}"
+    return f"the checkpoint of epoch {position.epoch}"
+
+
 def _save_atomic(state: dict, path: Path) -> None:
     tmp_path = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp_path)
+    try:
+        with open(tmp_path, "wb") as file:  # a Python file: a full disk shows as its OSError, not torch's words
+            torch.save(state, file)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)  # no partial file left to take the space
+        raise
     os.replace(tmp_path, path)  # never a half-written file
 
 
@@ -258,6 +270,7 @@ class _Pending:
     future: Future
     directory: Path
     metrics: dict
+    what: str  # the checkpoint, as a message names it
 
 
 def report_uploaded(metrics: dict, directory: Path, rank: int) -> None:
@@ -307,6 +320,11 @@ class ShardedSaver:
 
     def save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict) -> None:
         self.flush()  # one save in flight at a time
+        what = described(position_of(plain))
+        with storage_full_as(what, self.write_dir, probe=True):  # DCP's writer loses the errno
+            self._start_save(model_state, optimizer_state, plain, metrics, what)
+
+    def _start_save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict, what: str) -> None:
         names: list[str | None] = [None]
         if self.rank == 0:  # made before the others learn its name: their DCP writers create it too
             names = [new_checkpoint_name()]
@@ -320,7 +338,7 @@ class ShardedSaver:
             checkpoint_id=str(directory / SHARDS_DIR),
             process_group=self.group,
         )
-        self.pending = _Pending(future, directory, metrics)
+        self.pending = _Pending(future, directory, metrics, what)
 
     def done_here(self) -> bool:
         """This rank's write has finished (or nothing is pending)."""
@@ -331,14 +349,15 @@ class ShardedSaver:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        while True:
-            try:
-                pending.future.result(timeout=self.FLUSH_POLL_S)
-                break
-            except TimeoutError:
-                if self.progress is not None:
-                    self.progress(_bytes_under(pending.directory / SHARDS_DIR))
-        self.report(pending.metrics, pending.directory)
+        with storage_full_as(pending.what, self.write_dir, probe=True):
+            while True:
+                try:
+                    pending.future.result(timeout=self.FLUSH_POLL_S)
+                    break
+                except TimeoutError:
+                    if self.progress is not None:
+                        self.progress(_bytes_under(pending.directory / SHARDS_DIR))
+            self.report(pending.metrics, pending.directory)
 
     @property
     def in_flight(self) -> bool:

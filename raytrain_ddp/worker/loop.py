@@ -33,6 +33,7 @@ from torch import nn
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
+from raytrain_ddp.errors import storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss, make_task
@@ -84,10 +85,11 @@ def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -
     """The ids this rank trained on this epoch, in order: RUN_DIR/sample_ids/epoch-E-rank-R.npy (on object
     storage too: one object, written whole)."""
     directory = config.run_dir / "sample_ids"
-    directory.mkdir(parents=True, exist_ok=True)
     array = io.BytesIO()
     np.save(array, np.concatenate(batches) if batches else np.empty(0, np.int64))
-    write_atomic(directory / f"epoch-{epoch}-rank-{rank}.npy", array.getvalue())
+    with storage_full_as(f"the sample ids of epoch {epoch}", directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        write_atomic(directory / f"epoch-{epoch}-rank-{rank}.npy", array.getvalue())
 
 
 def _label_worker_logs(rank: int) -> None:
@@ -261,12 +263,15 @@ class Trainer:
         model_state, optimizer_state = strategy.full_state(self.model, self.optimizer)
         stage(CHECKPOINT_STAGES.index("saving"))
         if rank == 0:
+            what = ckpt.described(position)
             with ckpt.scratch_dir() as directory:
-                checkpoint = ckpt.save(
-                    directory, model_state, optimizer_state, training_state, position, metrics, run_info
-                )
+                with storage_full_as(what, directory):
+                    checkpoint = ckpt.save(
+                        directory, model_state, optimizer_state, training_state, position, metrics, run_info
+                    )
                 stage(CHECKPOINT_STAGES.index("reporting"))
-                ray.train.report(metrics, checkpoint=checkpoint)
+                with storage_full_as(what, self.config.run_dir):  # Ray Train copies it into the run directory
+                    ray.train.report(metrics, checkpoint=checkpoint)
         else:
             stage(CHECKPOINT_STAGES.index("reporting"))
             ray.train.report(metrics, checkpoint=None)

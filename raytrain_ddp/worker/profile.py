@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raytrain_ddp.errors import storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.storage import RunPath
 
@@ -85,6 +86,10 @@ class StepProfile:
             self.marker = None
         profiler, self.profiler = self.profiler, None
         profiler.stop()
+        with storage_full_as(f"the profile of steps {self.first_step}-{self.last_step}", self.run_dir):
+            self._write(profiler)
+
+    def _write(self, profiler) -> None:
         run_dir = self._local_run_dir()
         assert self.run_dir is not None  # given whenever a window is
         trace = trace_path(run_dir, self.rank)
