@@ -22,7 +22,7 @@ TOP_FRAMES = 5
 # Frames of a rank that waits for the others: a collective, or DDP's all-reduce inside backward
 WAITING_IN = re.compile(r"\((?:[^()]*/)?torch/(?:distributed/|autograd/|_tensor\.py|nn/parallel/distributed\.py)")
 THREAD_LINE = re.compile(r"^Thread (\d+)")
-LAUNCHER_FRAMES = re.compile(r"\(<frozen runpy>|\(script_runner\.py:")  # how raytrain-ddp launch starts a script
+LAUNCHER_FRAMES = re.compile(r"<frozen runpy>|script_runner\.py:")  # how raytrain-ddp launch starts a script
 
 
 @ray.remote(num_cpus=0)

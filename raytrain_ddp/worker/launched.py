@@ -41,6 +41,8 @@ from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
 log = logging.getLogger("raytrain_ddp.worker")
 
 PHASE = "running"  # the heartbeat's phase: what the script does is its own business
+BEAT_S = Heartbeat.INTERVAL_S / 2  # how often the supervisor looks at its rank
+BUSY_TICKS = 0.1 * os.sysconf("SC_CLK_TCK") * BEAT_S  # CPU time that counts as computing: a tenth of a core
 TAIL_LINES = 200  # of a failed rank's output, read for its traceback
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")  # torch's, on each line of a rank's traceback once its group is up
 
@@ -88,6 +90,7 @@ class Supervisor:
         self.local_world_size = context.get_local_world_size()
         self.monitor, self.run_dir = loop_config["monitor"], loop_config["run_dir"]
         self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
+        self.busy_beats = 0  # beats in which the rank printed, reported or computed: its liveness
         self.output: list[str] = []  # teed lines not yet sent to the driver
         self.output_lock = threading.Lock()
         self.cpu_of: Callable[[], int] = lambda: _cpu_ticks(os.getpid())
@@ -117,15 +120,20 @@ class Supervisor:
         }
 
     def _beat_forever(self) -> None:
-        stop_passed = False
+        stop_passed, seen = False, (0, 0, self.cpu_of())
         while True:
-            time.sleep(Heartbeat.INTERVAL_S / 2)
+            time.sleep(BEAT_S)
             try:
                 self.heartbeat.step_records.extend(self.channel.new_reports())
             except (OSError, ValueError):  # a line cut short is read whole next time; a bad one is the script's
                 pass
-            # Liveness: anything the rank did since the last beat (a blocked collective does none of it)
-            self.heartbeat.advance(self.channel.made + self.lines + self.cpu_of())
+            # Liveness: output, a report or real computing since the last beat. A rank blocked in a collective
+            # does none of it (gloo's waiting thread still takes a tick now and then: below BUSY_TICKS).
+            now = (self.channel.made, self.lines, self.cpu_of())
+            if now[:2] != seen[:2] or now[2] - seen[2] >= BUSY_TICKS:
+                self.busy_beats += 1
+                self.heartbeat.advance(self.busy_beats)
+            seen = now
             self.send_output()
             if self.heartbeat.stop_reason and not stop_passed:
                 stop_passed = True
