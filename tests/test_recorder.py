@@ -298,3 +298,29 @@ def test_the_heartbeat_posts_validation_progress_and_compilation_as_a_phase(monk
     assert seen["compiling"].is_set()
     seen["training"].clear()
     assert seen["training"].wait(30)  # compiled: back to the phase it interrupted
+
+
+def _beat(epoch: int, steps: int, samples: int) -> dict:
+    """A training heartbeat as `Liveness.positions` holds it."""
+    return {"epoch": epoch, "steps": steps, "samples": samples, "loss": 0.5, "phase": "training"}
+
+
+def test_the_progress_line_rates_the_epoch_from_its_first_heartbeat_not_from_its_first_logged_line(monkeypatch):
+    """Heartbeats come every second; a line is logged every PROGRESS_LOG_INTERVAL_S: the first logged line of
+    an epoch, at step 36, says the rate since step 2, never 0 samples/s."""
+    from raytrain_ddp.driver import console as console_module
+
+    clock = iter([100.0, 100.0, 130.0, 130.0])
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: next(clock))
+    console = console_module.Console(total_epochs=3)
+    console.show_progress({0: _beat(2, 2, 64), 1: _beat(2, 2, 64)}, steps_per_epoch=64)
+    line = console.progress_line({0: _beat(2, 36, 1152), 1: _beat(2, 36, 1152)}, steps_per_epoch=64)
+    assert line.startswith("epoch 2/3: step 36/64, 73 samples/s, epoch ETA 25s"), line
+
+
+def test_the_progress_line_says_no_rate_before_there_is_a_stretch_to_measure(monkeypatch):
+    from raytrain_ddp.driver import console as console_module
+
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: 100.0)
+    line = console_module.Console(total_epochs=3).progress_line({0: _beat(1, 36, 1152)}, steps_per_epoch=64)
+    assert line == "epoch 1/3: step 36/64, loss 0.5000", line
