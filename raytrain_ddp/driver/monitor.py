@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.console import Console
-from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, validation_results
+from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, stragglers_to_warn, validation_results
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
 from raytrain_ddp.errors import one_line
@@ -202,8 +202,14 @@ class RunRecorder:
         record = aggregate_epoch(by_rank, self.config)
         if not record["val_identical_across_ranks"]:
             log.warning("validation metrics differ across ranks: %s", validation_results(list(by_rank.values())))
-        for straggler in record["stragglers"]:
-            log.warning("Epoch %d: rank %d is a straggler: %s", record["epoch"], straggler["rank"], straggler["why"])
+        for straggler in stragglers_to_warn(record, self.epochs.get(record["epoch"] - 1)):
+            log.warning(
+                "Epoch %d: rank %d is a straggler, as in epoch %d: %s",
+                record["epoch"],
+                straggler["rank"],
+                record["epoch"] - 1,
+                straggler["why"],
+            )
         self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
         self.metrics_file.write(self.epochs)
         self.flush_files()
