@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, plural
 from raytrain_ddp.redact import redact_values
 from raytrain_ddp.storage import RemotePath, RunPath, local_copy, location
 
@@ -68,6 +68,17 @@ class Position:
     global_step: int = 0
     # (world size, optimizer steps) of epoch `epoch + 1`'s parts trained before the world size changed
     earlier_parts: tuple[tuple[int, int], ...] = ()
+
+    def resumes(self) -> str:
+        """Where training goes on from here, in words: the epoch it resumes in, not the last one done."""
+        return resume_point(self.epoch, self.step_in_epoch)
+
+
+def resume_point(epochs_done: int, steps_in_next: int) -> str:
+    """'at the start of epoch 3', or 'in epoch 3, 24 optimizer steps into it'."""
+    if not steps_in_next:
+        return f"at the start of epoch {epochs_done + 1}"
+    return f"in epoch {epochs_done + 1}, {plural(steps_in_next, 'optimizer step')} into it"
 
 
 def save(

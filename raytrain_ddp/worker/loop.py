@@ -311,15 +311,7 @@ class WorkerLoop:
         if (resume_from := ray.train.get_checkpoint()) is not None:
             with ckpt.loaded(resume_from) as state:
                 self.position = self.trainer.restore(state, isinstance(self.train_shard, TrainShard))
-            log.info(
-                "rank %d resumed from %s after epoch %d%s",
-                self.rank,
-                resume_from.path,
-                self.position.epoch,
-                f" and {self.position.step_in_epoch} optimizer steps of the next"
-                if self.position.step_in_epoch
-                else "",
-            )
+            log.info("rank %d resumes from %s %s", self.rank, resume_from.path, self.position.resumes())
         log.info("training on %s from epoch %d", self.device, self.position.epoch + 1)
         return self.position
 
