@@ -19,7 +19,7 @@ import torch
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
 from raytrain_ddp.driver.run_checkpoints import read_verified
-from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plural
 from raytrain_ddp.models import build_model
 from raytrain_ddp.storage import location
 from raytrain_ddp.worker import strategy
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.eval
         print(
             f"epoch {result['epoch']}: val_accuracy {result['val_accuracy']:.4f} "
             f"(recorded {recorded['val_accuracy']:.4f}), val_loss {result['val_loss']:.4f} "
-            f"(recorded {recorded['val_loss']:.4f}) over {result['val_rows']} rows on {result['device']}"
+            f"(recorded {recorded['val_loss']:.4f}) over {plural(result['val_rows'], 'row')} on {result['device']}"
         )
     return 0
 

@@ -19,3 +19,43 @@ def test_a_resume_names_the_epoch_it_resumes_in_and_what_of_it_is_done():
     )
     assert describe("runs/x/checkpoint_1", {"epoch": 2}) == "runs/x/checkpoint_1, at the start of epoch 3"
     assert Position(epoch=0, step_in_epoch=1).resumes() == "in epoch 1, 1 optimizer step into it"
+
+
+COUNTED_NOUNS = r"(workers|epochs|nodes|ranks|optimizer steps|steps|rows|CPUs|GPUs)"
+ALWAYS_MANY = (  # counts these messages only show above 1
+    'label=f"min..max over {ranks} ranks"',  # the spread is drawn for many ranks only
+    "Only %d of the %d workers asked for",  # more were asked for than fit: at least 2
+    "but this job spans %d nodes",  # said of a multi-node job only
+    "asks for {last - first + 1} steps; at most",  # more than the most allowed
+    'f"{DASH} workers"',  # no count: a dash
+    "/{want} nodes joined",  # a fraction, "0/1 nodes"
+)
+
+
+def test_every_message_counts_through_plural():
+    """'with 1 workers' is what a new user sees first: a count before a plural noun goes through plural()."""
+    import re
+    from pathlib import Path
+
+    import raytrain_ddp
+
+    pattern = re.compile(r"(%d|\{[^{}]*\}) " + COUNTED_NOUNS + r"\b")
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in Path(raytrain_ddp.__file__).parent.rglob("*.py")
+        for line in path.read_text().splitlines()
+        if pattern.search(line) and not any(allowed in line for allowed in ALWAYS_MANY)
+    ]
+    assert found == [], found
+
+
+def test_a_group_shrunk_to_one_worker_is_said_in_the_singular(tmp_path, caplog):
+    from raytrain_ddp import TrainConfig
+    from raytrain_ddp.driver.monitor import RunRecorder
+
+    config = TrainConfig(num_workers=2, storage_path=str(tmp_path), name="unit")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+    with caplog.at_level("WARNING", logger="raytrain_ddp"):
+        recorder.consume([("started", 0, {"rank": 0, "world_size": 1, "hostname": "h", "node_id": "n"})])
+    assert "Training goes on with 1 worker (was 2): global batch now" in caplog.text, caplog.text

@@ -34,7 +34,7 @@ from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.wandb_log import WandbLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
-from raytrain_ddp.errors import ConfigError, RunTakenOver, one_line
+from raytrain_ddp.errors import ConfigError, RunTakenOver, one_line, plural
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object
@@ -152,15 +152,15 @@ def _describe_start(
     device = "GPU (NCCL)" if config.use_gpu else "CPU (gloo)"
     elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
     log.info(
-        "Training %s on %s with %d workers%s x %s, %s, %s, %d epochs",
+        "Training %s on %s with %s%s x %s, %s, %s, %s",
         config.model,
         config.data or config.train_data or config.dataset,
-        workers,
+        plural(workers, "worker"),
         elastic,
         device,
         config.strategy.upper(),
         config.precision,
-        config.epochs,
+        plural(config.epochs, "epoch"),
     )
     if workers < config.num_workers:
         log.warning(
@@ -172,10 +172,10 @@ def _describe_start(
         )
     accumulation = f" x {config.grad_accum} micro-batches" if config.grad_accum > 1 else ""
     log.info(
-        "Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
+        "Global batch = %d per worker%s x %s = %d (what each optimizer step really trains with)",
         config.batch_size,
         accumulation,
-        workers,
+        plural(workers, "worker"),
         config.global_batch_for(workers),
     )
     if config.scale_lr:
@@ -463,23 +463,24 @@ def _train(
         _finish(config, run_dir, summary, report=not interrupted)
     if interrupted:
         raise Interrupted(
-            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {config.epochs} epochs; the workers are "
-            f"stopped; run the same command again to resume from the latest checkpoint ({run_dir / 'summary.json'})"
+            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {plural(config.epochs, 'epoch')}; the "
+            "workers are stopped; run the same command again to resume from the latest checkpoint "
+            f"({run_dir / 'summary.json'})"
         )
     if error:
         log.error("Training failed: %s", error)
     elif summary["status"] == "stopped":
         log.warning(
-            "Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
+            "Stopped early (%s) after %d of %s; resume from %s by running the same command again",
             stop_reason,
             summary["epochs_completed"],
-            config.epochs,
+            plural(config.epochs, "epoch"),
             summary["resume_checkpoint"],
         )
     else:
         log.info(
-            "Finished %d epochs in %.0fs; best checkpoint: %s",
-            summary["epochs_completed"],
+            "Finished %s in %.0fs; best checkpoint: %s",
+            plural(summary["epochs_completed"], "epoch"),
             summary["seconds"],
             summary["best_checkpoint"],
         )
@@ -495,14 +496,17 @@ def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRec
     steps = sum((record.get("optimizer_steps_per_rank") or [0])[0] for record in recorder.epochs.values())
     if steps < first:
         log.warning(
-            "--profile-steps %d:%d recorded nothing: the run ended after %d optimizer steps", first, last, steps
+            "--profile-steps %d:%d recorded nothing: the run ended after %s",
+            first,
+            last,
+            plural(steps, "optimizer step"),
         )
     elif steps < last:
         log.warning(
-            "--profile-steps %d:%d: the run ended after %d optimizer steps; %s holds steps %d-%d",
+            "--profile-steps %d:%d: the run ended after %s; %s holds steps %d-%d",
             first,
             last,
-            steps,
+            plural(steps, "optimizer step"),
             run_dir / PROFILE_DIR,
             first,
             steps,

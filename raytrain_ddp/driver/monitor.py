@@ -27,7 +27,7 @@ from raytrain_ddp.driver.console import Console
 from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, stragglers_to_warn, validation_results
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
-from raytrain_ddp.errors import one_line
+from raytrain_ddp.errors import one_line, plural
 from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
@@ -177,8 +177,8 @@ class RunRecorder:
             log.warning("Ray Train restarted the workers from the latest checkpoint (restart %d)", self.restarts)
         if world_size != self.world_size:
             log.warning(
-                "Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d%s",
-                world_size,
+                "Training goes on with %s (was %d): global batch now %d per worker x %d = %d%s",
+                plural(world_size, "worker"),
                 self.world_size,
                 self.config.global_batch_for(1),
                 world_size,

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.cluster.health import GPU_CHECK_FAILED
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError, first_line
+from raytrain_ddp.errors import ConfigError, first_line, plural
 
 # Ray Data's decode/shuffle tasks need CPUs the training workers do not hold:
 # without one left over, ingest waits for ever and so does training.
@@ -127,7 +127,7 @@ def check_fits(config: TrainConfig, nodes: list[dict]) -> int:
     """
     shape = f"{config.cpus_per_worker:g} CPU" + (" + 1 GPU" if config.use_gpu else "")
     needed = config.fewest_workers
-    asked = f"asked for {'at least ' if config.min_workers else ''}{needed} workers x {shape}"
+    asked = f"asked for {'at least ' if config.min_workers else ''}{plural(needed, 'worker')} x {shape}"
     if config.use_gpu and not any(n["gpus"] for n in nodes):
         raise ConfigError(
             f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU"

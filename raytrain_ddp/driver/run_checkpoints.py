@@ -22,7 +22,7 @@ from pathlib import Path
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError, headline
+from raytrain_ddp.errors import ConfigError, headline, plural
 from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, open_for_read, remove_tree
 from raytrain_ddp.worker.checkpoint import (
     CHECKPOINT_FILE,
@@ -192,7 +192,7 @@ def check_resume_from(config: TrainConfig, spec, model: dict[str, tuple[int, ...
         )
     if state["epoch"] >= config.epochs and not state.get("step_in_epoch"):
         raise ConfigError(
-            f"{flag} has already trained {state['epoch']} epochs; ask for more --epochs "
+            f"{flag} has already trained {plural(state['epoch'], 'epoch')}; ask for more --epochs "
             f"(the total, counting those), got {config.epochs}"
         )
     check_fits_model(checkpoint_dir, state, model, flag, "give it a checkpoint of this model")
