@@ -1,8 +1,9 @@
 """`python -m raytrain_ddp.checkpoint consolidate CHECKPOINT OUT`: a sharded checkpoint as one full file.
 
-Writes OUT/checkpoint.pt, the full format (raytrain_ddp/worker/checkpoint.py) that `evaluate`,
-`--resume-from` and a plain ``torch.load(..., weights_only=True)`` read, on one process, without Ray.
-OUT must not exist: nothing is overwritten.
+Writes OUT itself when it ends in .pt or .pth, else the new directory OUT holding OUT/checkpoint.pt: the
+full format (raytrain_ddp/worker/checkpoint.py) that `evaluate`, `--resume-from` and a plain
+``torch.load(..., weights_only=True)`` read, on one process, without Ray. OUT must not exist: nothing is
+overwritten.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.chec
     parser = OneLineErrorParser(
         prog=prog,
         description="Work with checkpoints on one process.",
-        epilog="examples:\n  %(prog)s consolidate runs/NAME/checkpoint_DATE runs/NAME/full",
+        epilog="examples:\n  %(prog)s consolidate runs/NAME/checkpoint_DATE runs/NAME/full.pt",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
@@ -45,13 +46,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.chec
         "consolidate", help="write a sharded checkpoint as one full checkpoint.pt (what evaluate reads)"
     )
     command.add_argument("checkpoint", help="the sharded checkpoint's directory")
-    command.add_argument("out", help="a new directory, to hold checkpoint.pt")
+    command.add_argument(
+        "out", help="the new file to write, when it ends in .pt or .pth; else a new directory, to hold checkpoint.pt"
+    )
     args = parser.parse_args(argv)
     try:
         target = consolidate_checked(args.checkpoint, args.out)
     except ConfigError as err:
         return bad_input(err)
-    print(f"wrote {target}")
+    print(f"wrote {target}" if target == Path(args.out) else f"wrote {target} (OUT {args.out} is a new directory)")
     return 0
 
 
