@@ -1,9 +1,9 @@
 """`python -m raytrain_ddp.checkpoint consolidate CHECKPOINT OUT`: a sharded checkpoint as one full file.
 
-Writes OUT itself when it ends in .pt or .pth, else the new directory OUT holding OUT/checkpoint.pt: the
-full format (raytrain_ddp/worker/checkpoint.py) that `evaluate`, `--resume-from` and a plain
-``torch.load(..., weights_only=True)`` read, on one process, without Ray. OUT must not exist: nothing is
-overwritten.
+Writes the full format (raytrain_ddp/worker/checkpoint.py), on one process, without Ray: OUT itself when
+it ends in .pt or .pth (what a plain ``torch.load(..., weights_only=True)`` reads), else the new directory
+OUT holding OUT/checkpoint.pt (what `evaluate` and `--resume-from` read too). OUT must not exist: nothing
+is overwritten.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.chec
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     command = commands.add_parser(
-        "consolidate", help="write a sharded checkpoint as one full checkpoint.pt (what evaluate reads)"
+        "consolidate",
+        help="write a sharded checkpoint as one full-format file: OUT.pt for torch.load, or OUT/checkpoint.pt, "
+        "which evaluate and --resume-from read too",
     )
     command.add_argument("checkpoint", help="the sharded checkpoint's directory")
     command.add_argument(
