@@ -59,3 +59,20 @@ def test_a_group_shrunk_to_one_worker_is_said_in_the_singular(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="raytrain_ddp"):
         recorder.consume([("started", 0, {"rank": 0, "world_size": 1, "hostname": "h", "node_id": "n"})])
     assert "Training goes on with 1 worker (was 2): global batch now" in caplog.text, caplog.text
+
+
+def test_evaluate_of_a_mid_epoch_checkpoint_says_where_its_weights_are_and_that_none_was_recorded():
+    """A mid-epoch checkpoint records a placeholder score (inf for val_loss) and nothing else: the line
+    neither fails on the missing val_accuracy nor calls weights 24 steps into epoch 3 "epoch 2"."""
+    from raytrain_ddp.evaluate import describe_result
+
+    scored = {"epoch": 2, "val_accuracy": 0.5, "val_loss": 0.7, "val_rows": 1, "device": "cpu"}
+    mid_epoch = {**scored, "recorded": {"epoch": 2, "step_in_epoch": 24, "val_loss": float("inf")}}
+    assert describe_result(mid_epoch) == (
+        "in epoch 3, 24 optimizer steps into it (a mid-epoch checkpoint, no validation recorded): "
+        "val_accuracy 0.5000, val_loss 0.7000 over 1 row on cpu"
+    )
+    after_epoch = {**scored, "recorded": {"epoch": 2, "val_loss": 0.7, "val_accuracy": 0.5}}
+    assert describe_result(after_epoch) == (
+        "epoch 2: val_accuracy 0.5000 (recorded 0.5000), val_loss 0.7000 (recorded 0.7000) over 1 row on cpu"
+    )
