@@ -76,3 +76,12 @@ def test_evaluate_of_a_mid_epoch_checkpoint_says_where_its_weights_are_and_that_
     assert describe_result(after_epoch) == (
         "epoch 2: val_accuracy 0.5000 (recorded 0.5000), val_loss 0.7000 (recorded 0.7000) over 1 row on cpu"
     )
+
+
+def test_a_resumed_run_says_how_many_epochs_its_seconds_trained():
+    """'Finished 5 epochs in 12s' after resuming at epoch 4 overstates the speed by 2.5 times."""
+    from raytrain_ddp.driver.console import finished_text
+
+    assert finished_text(5, 5, 51.2) == "5 epochs in 51s"
+    assert finished_text(1, 1, 9) == "1 epoch in 9s"
+    assert finished_text(5, 2, 12.4) == "5 epochs (2 epochs trained in this run's 12s)"

@@ -7,6 +7,8 @@ import statistics
 import sys
 import time
 
+from raytrain_ddp.errors import plural
+
 log = logging.getLogger("raytrain_ddp")
 
 TABLE_HEADER = (
@@ -14,6 +16,13 @@ TABLE_HEADER = (
     f"{'samples/s':>9}  {'time':>6}"
 )
 RATE_MIN_SPAN_S = 1.0  # no samples over a shorter stretch is not news of a stall
+
+
+def finished_text(epochs_completed: int, trained_here: int, seconds: float) -> str:
+    """'5 epochs in 51s'; a resumed run's seconds are this driver's only, so it says how many epochs they hold."""
+    if trained_here == epochs_completed:
+        return f"{plural(epochs_completed, 'epoch')} in {seconds:.0f}s"
+    return f"{plural(epochs_completed, 'epoch')} ({plural(trained_here, 'epoch')} trained in this run's {seconds:.0f}s)"
 
 
 class Console:

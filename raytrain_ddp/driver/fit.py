@@ -27,6 +27,7 @@ from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock, tracker
+from raytrain_ddp.driver.console import finished_text
 from raytrain_ddp.driver.failures import Trainer, describe_failure
 from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
@@ -479,9 +480,8 @@ def _train(
         )
     else:
         log.info(
-            "Finished %s in %.0fs; best checkpoint: %s",
-            plural(summary["epochs_completed"], "epoch"),
-            summary["seconds"],
+            "Finished %s; best checkpoint: %s",
+            finished_text(summary["epochs_completed"], len(recorder.trained_here), summary["seconds"]),
             summary["best_checkpoint"],
         )
         _warn_if_profile_cut(config, run_dir, recorder)

@@ -113,6 +113,7 @@ class RunRecorder:
         self.checksums: dict[int, str] = {}
         self.metrics_file = MetricsFile(run_dir)
         self.epochs: dict[int, dict] = self.metrics_file.read()  # epoch -> aggregated record
+        self.trained_here: set[int] = set()  # epochs this driver recorded (a resumed run's others came before)
         self._pending: dict[int, dict[int, dict]] = {}  # epoch -> rank -> metrics
         self.steps_file = StepsFile(run_dir) if config.log_every_steps else None
         self._pending_steps: dict[int, dict[int, dict]] = {}  # global step -> rank -> its record
@@ -211,6 +212,7 @@ class RunRecorder:
                 straggler["why"],
             )
         self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
+        self.trained_here.add(record["epoch"])
         self.metrics_file.write(self.epochs)
         self.flush_files()
         for sink in self.sinks:
