@@ -21,7 +21,7 @@ def test_a_resume_names_the_epoch_it_resumes_in_and_what_of_it_is_done():
     assert Position(epoch=0, step_in_epoch=1).resumes() == "in epoch 1, 1 optimizer step into it"
 
 
-COUNTED_NOUNS = r"(workers|epochs|nodes|ranks|optimizer steps|steps|rows|CPUs|GPUs)"
+COUNTED_NOUNS = r"(workers|epochs|nodes|ranks|optimizer steps|steps|rows|CPUs|logical CPUs|cores|GPUs)"
 ALWAYS_MANY = (  # counts these messages only show above 1
     'label=f"min..max over {ranks} ranks"',  # the spread is drawn for many ranks only
     "Only %d of the %d workers asked for",  # more were asked for than fit: at least 2

@@ -129,7 +129,9 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         else:
             preflight.check_local_capacity(config)
             cpus = preflight.local_cpus(config)
-            log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
+            log.info(
+                "Starting a local Ray with %s on %s", plural(cpus, "logical CPU"), plural(os.cpu_count() or 0, "core")
+            )
             context = preflight.init_ray("local", include_dashboard=True, num_cpus=cpus, **options)
         url = context.dashboard_url
     else:
