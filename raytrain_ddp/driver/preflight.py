@@ -241,15 +241,15 @@ def check_local_capacity(config: TrainConfig) -> None:
     if config.fewest_workers > most:
         raise ConfigError(
             f"--num-workers {config.num_workers} x {config.cpus_per_worker:g} CPU does not fit this "
-            f"machine ({cores} cores, {memory_gib:.1f} GiB): at most {most} CPU workers fit "
-            f"(--num-workers {most}), or give --address of a larger Ray cluster"
+            f"machine ({plural(cores, 'core')}, {memory_gib:.1f} GiB): at most {plural(most, 'CPU worker')} can run "
+            f"here (--num-workers {most}), or give --address of a larger Ray cluster"
         )
     if config.num_workers * config.cpus_per_worker > cores:
         log.warning(
-            "%d CPU workers x %g CPU on %d cores: they share the cores and train slower than %d would",
-            config.num_workers,
+            "%s x %g CPU on %s: they share the cores and train slower than %d would",
+            plural(config.num_workers, "CPU worker"),
             config.cpus_per_worker,
-            cores,
+            plural(cores, "core"),
             cores,
         )
 
