@@ -1,8 +1,9 @@
 """`python -m raytrain_ddp.checkpoint consolidate CHECKPOINT OUT`: a sharded checkpoint as one full file.
 
-Writes OUT/checkpoint.pt, the full format (raytrain_ddp/worker/checkpoint.py) that `evaluate`,
-`--resume-from` and a plain ``torch.load(..., weights_only=True)`` read, on one process, without Ray.
-OUT must not exist: nothing is overwritten.
+Writes the full format (raytrain_ddp/worker/checkpoint.py), on one process, without Ray: OUT itself when
+it ends in .pt or .pth (what a plain ``torch.load(..., weights_only=True)`` reads), else the new directory
+OUT holding OUT/checkpoint.pt (what `evaluate` and `--resume-from` read too). OUT must not exist: nothing
+is overwritten.
 """
 
 from __future__ import annotations
@@ -36,22 +37,26 @@ def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.chec
     parser = OneLineErrorParser(
         prog=prog,
         description="Work with checkpoints on one process.",
-        epilog="examples:\n  %(prog)s consolidate runs/NAME/checkpoint_DATE runs/NAME/full",
+        epilog="examples:\n  %(prog)s consolidate runs/NAME/checkpoint_DATE runs/NAME/full.pt",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     command = commands.add_parser(
-        "consolidate", help="write a sharded checkpoint as one full checkpoint.pt (what evaluate reads)"
+        "consolidate",
+        help="write a sharded checkpoint as one full-format file: OUT.pt for torch.load, or OUT/checkpoint.pt, "
+        "which evaluate and --resume-from read too",
     )
     command.add_argument("checkpoint", help="the sharded checkpoint's directory")
-    command.add_argument("out", help="a new directory, to hold checkpoint.pt")
+    command.add_argument(
+        "out", help="the new file to write, when it ends in .pt or .pth; else a new directory, to hold checkpoint.pt"
+    )
     args = parser.parse_args(argv)
     try:
         target = consolidate_checked(args.checkpoint, args.out)
     except ConfigError as err:
         return bad_input(err)
-    print(f"wrote {target}")
+    print(f"wrote {target}" if target == Path(args.out) else f"wrote {target} (OUT {args.out} is a new directory)")
     return 0
 
 

@@ -39,6 +39,11 @@ class RunTakenOver(Exception):
     stopped its run and writes nothing more there. The CLI prints the message as one line and exits with 1."""
 
 
+def plural(count: int, noun: str) -> str:
+    """'1 worker', '2 workers', '0 epochs': a count with the noun agreeing (every message says counts this way)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message squeezed onto one line (pyarrow messages span several), credentials masked."""
     return redact(" ".join(str(exc).split())) or type(exc).__name__

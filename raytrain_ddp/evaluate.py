@@ -19,11 +19,11 @@ import torch
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
 from raytrain_ddp.driver.run_checkpoints import read_verified
-from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plural
 from raytrain_ddp.models import build_model
 from raytrain_ddp.storage import location
 from raytrain_ddp.worker import strategy
-from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, is_sharded, load_model_weights
+from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, is_sharded, load_model_weights, resume_point
 from raytrain_ddp.worker.loop import make_loss_fn
 from raytrain_ddp.worker.metrics import evaluate
 
@@ -94,13 +94,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.eval
     if args.json:
         print(json.dumps(result))
     else:
-        recorded = result["recorded"]
-        print(
-            f"epoch {result['epoch']}: val_accuracy {result['val_accuracy']:.4f} "
-            f"(recorded {recorded['val_accuracy']:.4f}), val_loss {result['val_loss']:.4f} "
-            f"(recorded {recorded['val_loss']:.4f}) over {result['val_rows']} rows on {result['device']}"
-        )
+        print(describe_result(result))
     return 0
+
+
+def describe_result(result: dict) -> str:
+    """The score, beside the one recorded at the checkpoint; a mid-epoch checkpoint recorded none (its
+    ranking metric holds a placeholder, -inf or inf), and its weights are from inside the next epoch."""
+    recorded = result["recorded"]
+    where = f"over {plural(result['val_rows'], 'row')} on {result['device']}"
+    if recorded.get("step_in_epoch"):
+        return (
+            f"{resume_point(result['epoch'], recorded['step_in_epoch'])} (a mid-epoch checkpoint, no validation "
+            f"recorded): val_accuracy {result['val_accuracy']:.4f}, val_loss {result['val_loss']:.4f} {where}"
+        )
+    return (
+        f"epoch {result['epoch']}: val_accuracy {result['val_accuracy']:.4f} "
+        f"(recorded {recorded['val_accuracy']:.4f}), val_loss {result['val_loss']:.4f} "
+        f"(recorded {recorded['val_loss']:.4f}) {where}"
+    )
 
 
 if __name__ == "__main__":

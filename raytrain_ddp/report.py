@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plural
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
 from raytrain_ddp.storage import RunPath, location
@@ -528,13 +528,14 @@ def _summary_html(run: Run) -> str:
     facts.append(("Status", _e(status)))
     facts.append(("Epochs", f"{_e(done)} of {_e(requested)} completed" if requested else f"{_e(done)} completed"))
     world = run.world_size
-    facts.append(("World size", f"{_e(world)} worker{'s' if world != 1 else ''}" if world else DASH))
+    facts.append(("World size", _e(plural(world, "worker")) if world else DASH))
     per_worker = s.get("per_worker_batch_size") or (run.config or {}).get("batch_size")
     global_batch = s.get("global_batch_size") or (per_worker * world if per_worker and world else None)
+    workers = _e(plural(world, "worker")) if world else f"{DASH} workers"
     facts.append(
         (
             "Batch",
-            f"{_e(per_worker or DASH)} per worker &times; {_e(world or DASH)} workers = "
+            f"{_e(per_worker or DASH)} per worker &times; {workers} = "
             f"<b>{_e(global_batch or DASH)}</b> global "
             '<span class="sub">(global batch = per-worker batch x workers: '
             "what DDP trains with)</span>",
@@ -568,14 +569,14 @@ def _summary_html(run: Run) -> str:
     reported = [c for c in checksums if c]
     if checksums and len(reported) < len(checksums):  # a failed run: some ranks never got to report
         same_text = (
-            f'unknown <span class="sub">({len(reported)} of {len(checksums)} ranks reported a parameter '
+            f'unknown <span class="sub">({len(reported)} of {plural(len(checksums), "rank")} reported a parameter '
             f"checksum)</span>"
         )
     else:
         distinct = len(set(reported))
         same_text = _yes_no(s.get("replicas_identical")) + (
-            f' <span class="sub">({distinct} distinct parameter checksum{"s" if distinct != 1 else ""} over '
-            f"{len(reported)} ranks)</span>"
+            f' <span class="sub">({plural(distinct, "distinct parameter checksum")} over '
+            f"{plural(len(reported), 'rank')})</span>"
             if reported
             else ""
         )

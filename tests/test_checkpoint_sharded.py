@@ -129,6 +129,15 @@ def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(t
     _assert_same_state((full["model"], full["optimizer"]), saved["full"])
     assert full["global_step"] == 2 and "format" not in full
     assert read_verified(tmp_path / "full")[1] is None
+    assert (
+        done.stdout.strip()
+        == f"wrote {tmp_path / 'full' / 'checkpoint.pt'} (OUT {tmp_path / 'full'} is a new directory)"
+    )
+    # an OUT named as a file (.pt, .pth) is that file, not a directory of that name
+    as_file = run_cli("raytrain_ddp", "checkpoint", "consolidate", directory, str(tmp_path / "full.pt"))
+    assert as_file.returncode == 0 and as_file.stdout.strip() == f"wrote {tmp_path / 'full.pt'}", as_file.stderr
+    assert (tmp_path / "full.pt").is_file()
+    assert torch.load(tmp_path / "full.pt", weights_only=True)["global_step"] == 2
 
     # a target that exists: one line, exit 2, untouched
     before = (tmp_path / "full" / "checkpoint.pt").read_bytes()

@@ -539,13 +539,15 @@ def test_the_bad_input_table_covers_every_flag():
 def test_more_cpu_workers_than_cores_is_one_warning(caplog):
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.driver.preflight import check_local_capacity
+    from raytrain_ddp.errors import plural
 
     cores = os.cpu_count()
     with caplog.at_level("WARNING", logger="raytrain_ddp"):
         check_local_capacity(TrainConfig(num_workers=cores + 1))
         check_local_capacity(TrainConfig(num_workers=cores))
     assert [r.getMessage() for r in caplog.records] == [
-        f"{cores + 1} CPU workers x 1 CPU on {cores} cores: they share the cores and train slower than {cores} would"
+        f"{cores + 1} CPU workers x 1 CPU on {plural(cores, 'core')}: they share the cores and train slower than "
+        f"{cores} would"
     ]
 
 

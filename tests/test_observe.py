@@ -52,8 +52,10 @@ def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arri
     progress = [line for line in log_lines[:row] if "raytrain_ddp.progress: epoch 1/2: step" in line]
     assert progress, "no progress line during the epoch"
     steps = [int(re.search(r"step (\d+)/20", line).group(1)) for line in progress]
-    assert min(steps) < 20 and "samples/s" in progress[0]
-    assert "rank 1 is a straggler: all-reduce wait" in "\n".join(log_lines)
+    # an epoch's first line may come within a second of its first heartbeat: no stretch to rate yet, no rate
+    assert min(steps) < 20 and any("samples/s" in line for line in progress), progress
+    assert not any(" 0 samples/s" in line for line in progress), progress
+    assert "rank 1 is a straggler, as in epoch 1: all-reduce wait" in "\n".join(log_lines)
     cut = [line for line in log_lines if "--profile-steps 39:42" in line]
     assert len(cut) == 1 and "WARNING" in cut[0] and "ended after 40 optimizer steps" in cut[0] and "39-40" in cut[0]
     for rank in (0, 1):  # what the window held was written when the loop ended

@@ -275,3 +275,57 @@ def test_the_heartbeat_posts_validation_progress_and_compilation_as_a_phase(monk
     assert seen["compiling"].is_set()
     seen["training"].clear()
     assert seen["training"].wait(30)  # compiled: back to the phase it interrupted
+
+
+def _training_beat(epoch: int, steps: int, samples: int) -> dict:
+    """A training heartbeat as `Liveness.positions` holds it."""
+    return {"epoch": epoch, "steps": steps, "samples": samples, "loss": 0.5, "phase": "training"}
+
+
+def test_the_progress_line_rates_the_epoch_from_its_first_heartbeat_not_from_its_first_logged_line(monkeypatch):
+    """Heartbeats come every second; a line is logged every PROGRESS_LOG_INTERVAL_S: the first logged line of
+    an epoch, at step 36, says the rate since step 2, never 0 samples/s."""
+    from raytrain_ddp.driver import console as console_module
+
+    clock = iter([100.0, 100.0, 130.0, 130.0])
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: next(clock))
+    console = console_module.Console(total_epochs=3)
+    console.show_progress({0: _training_beat(2, 2, 64), 1: _training_beat(2, 2, 64)}, steps_per_epoch=64)
+    line = console.progress_line({0: _training_beat(2, 36, 1152), 1: _training_beat(2, 36, 1152)}, steps_per_epoch=64)
+    assert line.startswith("epoch 2/3: step 36/64, 73 samples/s, epoch ETA 25s"), line
+
+
+def test_the_progress_line_says_no_rate_before_there_is_a_stretch_to_measure(monkeypatch):
+    from raytrain_ddp.driver import console as console_module
+
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: 100.0)
+    line = console_module.Console(total_epochs=3).progress_line({0: _training_beat(1, 36, 1152)}, steps_per_epoch=64)
+    assert line == "epoch 1/3: step 36/64, loss 0.5000", line
+
+
+def test_a_straggler_is_warned_of_only_when_the_same_rank_lags_two_epochs_running_by_a_share_that_matters(
+    tmp_path, caplog
+):
+    """A busy 2-core machine flags rank 0 one epoch, rank 1 the next: noise, kept in metrics.jsonl, not
+    warned of. Rank 1 lagging again is; a lag under STRAGGLER_WARN_SHARE of the epoch is not."""
+    config = TrainConfig(num_workers=2, epochs=4, storage_path=str(tmp_path), name="unit")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+    slow = {1: (0, 2.0), 2: (1, 2.0), 3: (1, 2.0), 4: (1, 0.6)}  # epoch -> (rank, its data wait); 3 s epochs
+    with caplog.at_level("WARNING", logger="raytrain_ddp"):
+        for epoch, (slow_rank, wait) in slow.items():
+            recorder.consume(
+                [
+                    (
+                        "epoch",
+                        rank,
+                        rank_epoch_message(rank, epoch=epoch, data_wait_seconds=wait if rank == slow_rank else 0.01),
+                    )
+                    for rank in (0, 1)
+                ]
+            )
+    assert [[s["rank"] for s in recorder.epochs[e]["stragglers"]] for e in slow] == [[0], [1], [1], [1]]
+    warned = [r.getMessage() for r in caplog.records if "straggler" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("Epoch 3: rank 1 is a straggler, as in epoch 2: data wait 2s"), (
+        warned
+    )

@@ -43,7 +43,7 @@ from raytrain_ddp.cluster.node import (
 )
 from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
-from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError
+from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError, plural
 from raytrain_ddp.storage import RunPath
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
@@ -349,7 +349,7 @@ class Launcher:
             self.check_network(plan.netcheck_timeout_s)
         self.wait_for_head(float(os.environ.get("RAYTRAIN_HEAD_TIMEOUT", "120")))
         cluster_cpus, cluster_gpus = self.wait_for_nodes(float(os.environ.get("RAYTRAIN_JOIN_TIMEOUT", "180")))
-        log.info("cluster resources: %d CPUs, %d GPUs", cluster_cpus, cluster_gpus)
+        log.info("cluster resources: %s, %s", plural(cluster_cpus, "CPU"), plural(cluster_gpus, "GPU"))
         if plan.dashboard:
             dash = hostport(plan.head_ip, plan.ports.dashboard)
             user = os.environ.get("USER") or os.environ.get("LOGNAME") or "you"

@@ -29,7 +29,7 @@ from raytrain_ddp.data.format import (
     read_info,
 )
 from raytrain_ddp.data.paths import Location, expand_glob, has_glob, list_files, one_line, resolve
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, plural
 
 logger = logging.getLogger(__name__)
 
@@ -357,8 +357,8 @@ def _check_rows_match(root_info: DatasetInfo, rows: dict[str, int]) -> None:
     for split, count in rows.items():
         if count != root_info.rows[split]:
             raise ConfigError(
-                f"{root_info.path}/{split} holds {count} rows but {INFO_FILENAME} says {root_info.rows[split]}; "
-                "files are missing or extra"
+                f"{root_info.path}/{split} holds {plural(count, 'row')} but {INFO_FILENAME} says "
+                f"{root_info.rows[split]}; files are missing or extra"
             )
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 from raytrain_ddp.driver.epochs import validation_names
+from raytrain_ddp.errors import plural
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -28,6 +29,14 @@ def _width(name: str) -> int:
 
 
 TABLE_HEADER = _header(list(BUILTIN_VALIDATION))
+RATE_MIN_SPAN_S = 1.0  # no samples over a shorter stretch is not news of a stall
+
+
+def finished_text(epochs_completed: int, trained_here: int, seconds: float) -> str:
+    """'5 epochs in 51s'; a resumed run's seconds are this driver's only, so it says how many epochs they hold."""
+    if trained_here == epochs_completed:
+        return f"{plural(epochs_completed, 'epoch')} in {seconds:.0f}s"
+    return f"{plural(epochs_completed, 'epoch')} ({plural(trained_here, 'epoch')} trained in this run's {seconds:.0f}s)"
 
 
 class Console:
@@ -72,18 +81,28 @@ class Console:
         current = [p for p in positions.values() if p["epoch"] == epoch and p["phase"] == "training"]
         if not current:
             return None
-        if epoch != self._rate_epoch:  # a new epoch: measure its rate from here
-            self._rate_epoch, self._rate_start = epoch, (time.monotonic(), sum(p["samples"] for p in current))
         samples = sum(p["samples"] for p in current)
-        elapsed = time.monotonic() - self._rate_start[0]
-        rate = (samples - self._rate_start[1]) / elapsed if elapsed > 0 else 0.0
+        rate = self._rate(epoch, samples)
         step = min(p["steps"] for p in current)
-        eta = f", epoch ETA {(steps_per_epoch - step) * (samples / max(step, 1)) / rate:.0f}s" if rate > 0 else ""
+        speed = f", {rate:,.0f} samples/s" if rate is not None else ""
+        eta = f", epoch ETA {(steps_per_epoch - step) * (samples / max(step, 1)) / rate:.0f}s" if rate else ""
         losses = [p["loss"] for p in current if p["loss"] == p["loss"]]  # NaN before a rank's first step
         loss = f", loss {statistics.fmean(losses):.4f}" if losses else ""
-        return f"epoch {epoch}/{self.total_epochs}: step {step}/{steps_per_epoch}, {rate:,.0f} samples/s{eta}{loss}"
+        return f"epoch {epoch}/{self.total_epochs}: step {step}/{steps_per_epoch}{speed}{eta}{loss}"
+
+    def _rate(self, epoch: int, samples: int) -> float | None:
+        """Samples/s since the epoch was first seen; None until there is a stretch to measure (a rate over no
+        time would read 0)."""
+        if epoch != self._rate_epoch:  # a new epoch: measure its rate from here
+            self._rate_epoch, self._rate_start = epoch, (time.monotonic(), samples)
+        elapsed = time.monotonic() - self._rate_start[0]
+        if samples == self._rate_start[1] and elapsed < RATE_MIN_SPAN_S:
+            return None
+        return (samples - self._rate_start[1]) / elapsed
 
     def show_progress(self, positions: dict[int, dict], steps_per_epoch: int) -> None:
-        if self.interactive and (line := self.progress_line(positions, steps_per_epoch)):
+        """Called on every heartbeat: the rate's start is set then, not when a line is first logged."""
+        line = self.progress_line(positions, steps_per_epoch)
+        if self.interactive and line:
             sys.stderr.write(f"\r\033[K  {line}")
             sys.stderr.flush()

@@ -12,6 +12,7 @@ import statistics
 from raytrain_ddp.config import TrainConfig
 
 STRAGGLER_MIN_EXCESS_S = 0.25  # below this, waiting is noise, not a bottleneck
+STRAGGLER_WARN_SHARE = 0.1  # a straggler costing less of the epoch's time is not worth a warning
 
 
 def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
@@ -157,3 +158,26 @@ def _slow_in_compute(record: dict, slow_in_data: set[int]) -> list[dict]:
             f">= {others:.3g}s for it over the epoch: its compute is the bottleneck",
         }
     ]
+
+
+def stragglers_to_warn(record: dict, previous: dict | None) -> list[dict]:
+    """The stragglers worth a warning: flagged in the previous epoch too (one slow epoch is noise: on a busy
+    machine the flag moves from rank to rank), and late by a share of the epoch's time that matters."""
+    before = {s["rank"] for s in (previous or {}).get("stragglers", [])}
+    return [
+        s
+        for s in record["stragglers"]
+        if s["rank"] in before and _lateness_s(record, s["rank"]) >= STRAGGLER_WARN_SHARE * record["seconds"]
+    ]
+
+
+def _lateness_s(record: dict, rank: int) -> float:
+    """How much longer than the others `rank` took over the epoch: its data wait above the median, or how long
+    the others waited for it in the all-reduce."""
+    waits = record.get("data_wait_seconds_per_rank") or []
+    in_data = waits[rank] - statistics.median(waits) if len(waits) > rank else 0.0
+    allreduce = record.get("allreduce_wait_seconds_per_rank") or []
+    others = [wait for other, wait in enumerate(allreduce) if other != rank]
+    measured = len(allreduce) > rank and None not in allreduce and others
+    in_compute = min(others) - allreduce[rank] if measured else 0.0
+    return max(in_data, in_compute)

@@ -29,6 +29,7 @@ from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock, tracker
+from raytrain_ddp.driver.console import finished_text
 from raytrain_ddp.driver.failures import Trainer, describe_failure, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
@@ -36,7 +37,7 @@ from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.wandb_log import WandbLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
-from raytrain_ddp.errors import ConfigError, RunTakenOver, StorageFull, one_line, storage_full_as
+from raytrain_ddp.errors import ConfigError, RunTakenOver, StorageFull, one_line, plural, storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object, make_task
@@ -135,7 +136,9 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         else:
             preflight.check_local_capacity(config)
             cpus = preflight.local_cpus(config)
-            log.info("Starting a local Ray with %d logical CPUs on %d cores", cpus, os.cpu_count())
+            log.info(
+                "Starting a local Ray with %s on %s", plural(cpus, "logical CPU"), plural(os.cpu_count() or 0, "core")
+            )
             context = preflight.init_ray("local", include_dashboard=True, num_cpus=cpus, **options)
         url = context.dashboard_url
     else:
@@ -176,23 +179,23 @@ def _describe_training(config: TrainConfig, workers: int, spec: DataSpec) -> Non
     device = describe_device(config)
     elastic = f" (elastic: {config.min_workers}..{workers})" if config.min_workers else ""
     log.info(
-        "Training %s on %s with %d workers%s x %s, %s, %s, %d epochs",
+        "Training %s on %s with %s%s x %s, %s, %s, %s",
         f"{config.task} (model {config.model})" if config.task else config.model,
         config.data or config.train_data or config.dataset,
-        workers,
+        plural(workers, "worker"),
         elastic,
         device,
         config.strategy.upper(),
         config.precision,
-        config.epochs,
+        plural(config.epochs, "epoch"),
     )
     warn_if_fewer(config, workers)
     accumulation = f" x {config.grad_accum} micro-batches" if config.grad_accum > 1 else ""
     log.info(
-        "Global batch = %d per worker%s x %d workers = %d (what each optimizer step really trains with)",
+        "Global batch = %d per worker%s x %s = %d (what each optimizer step really trains with)",
         config.batch_size,
         accumulation,
-        workers,
+        plural(workers, "worker"),
         config.global_batch_for(workers),
     )
     if config.scale_lr:
@@ -418,26 +421,25 @@ class BuiltinWork:
 
     def interrupted_line(self, config: TrainConfig, summary: dict) -> str:
         return (
-            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {config.epochs} epochs; the workers are "
-            "stopped; run the same command again to resume from the latest checkpoint "
+            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {plural(config.epochs, 'epoch')}; the "
+            "workers are stopped; run the same command again to resume from the latest checkpoint "
             f"({config.run_dir / 'summary.json'})"
         )
 
-    def say_outcome(self, config: TrainConfig, summary: dict) -> None:
-        """The last line of a run that stopped early or finished."""
+    def say_outcome(self, config: TrainConfig, summary: dict, trained_here: int) -> None:
+        """The last line of a run that stopped early or finished (`trained_here`: epochs this driver trained)."""
         if summary["status"] == "stopped":
             log.warning(
-                "Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
+                "Stopped early (%s) after %d of %s; resume from %s by running the same command again",
                 summary["stop_reason"],
                 summary["epochs_completed"],
-                config.epochs,
+                plural(config.epochs, "epoch"),
                 summary["resume_checkpoint"],
             )
         else:
             log.info(
-                "Finished %d epochs in %.0fs; best checkpoint: %s",
-                summary["epochs_completed"],
-                summary["seconds"],
+                "Finished %s; best checkpoint: %s",
+                finished_text(summary["epochs_completed"], trained_here, summary["seconds"]),
                 summary["best_checkpoint"],
             )
 
@@ -607,7 +609,7 @@ def _train(
     if error:
         log.error("Training failed: %s", summary["error"])  # with the watchdog's verdict, if any
     else:
-        work.say_outcome(config, summary)
+        work.say_outcome(config, summary, len(recorder.trained_here))
         if summary["status"] == "finished":
             _warn_if_profile_cut(config, run_dir, recorder)
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
@@ -632,14 +634,17 @@ def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRec
     steps = sum((record.get("optimizer_steps_per_rank") or [0])[0] for record in recorder.epochs.values())
     if steps < first:
         log.warning(
-            "--profile-steps %d:%d recorded nothing: the run ended after %d optimizer steps", first, last, steps
+            "--profile-steps %d:%d recorded nothing: the run ended after %s",
+            first,
+            last,
+            plural(steps, "optimizer step"),
         )
     elif steps < last:
         log.warning(
-            "--profile-steps %d:%d: the run ended after %d optimizer steps; %s holds steps %d-%d",
+            "--profile-steps %d:%d: the run ended after %s; %s holds steps %d-%d",
             first,
             last,
-            steps,
+            plural(steps, "optimizer step"),
             run_dir / PROFILE_DIR,
             first,
             steps,

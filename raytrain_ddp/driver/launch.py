@@ -19,7 +19,7 @@ from ray import cloudpickle
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import run_directory
 from raytrain_ddp.driver.fit import describe_device, warn_if_fewer
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, plural
 from raytrain_ddp.launch import LAUNCH_FIELDS
 from raytrain_ddp.plugins import import_root
 from raytrain_ddp.storage import RemotePath, RunPath
@@ -84,7 +84,7 @@ class LaunchedWork:
             log.info("The script's checkpoint folder holds an earlier attempt's: %s", snapshot)
 
     def describe(self, config: TrainConfig, workers: int) -> None:
-        log.info("Launching %s on %d worker(s) x %s", self.what, workers, describe_device(config))
+        log.info("Launching %s on %s x %s", self.what, plural(workers, "worker"), describe_device(config))
         warn_if_fewer(config, workers)
         if self.script:
             teed = "every rank's" if self.tee == "all" else "rank 0's"
@@ -127,7 +127,7 @@ class LaunchedWork:
             f"that saves to session.checkpoint_dir() resumes from there ({config.run_dir / 'summary.json'})"
         )
 
-    def say_outcome(self, config: TrainConfig, summary: dict) -> None:
+    def say_outcome(self, config: TrainConfig, summary: dict, trained_here: int) -> None:
         if summary["status"] == "stopped":
             log.warning(
                 "Stopped early (%s): every rank of %s returned; run the same command again to resume from the "
@@ -136,7 +136,9 @@ class LaunchedWork:
                 self.what,
             )
         else:
-            log.info("Finished %s on %d worker(s) in %.0fs", self.what, summary["world_size"], summary["seconds"])
+            log.info(
+                "Finished %s on %s in %.0fs", self.what, plural(summary["world_size"], "worker"), summary["seconds"]
+            )
 
 
 def _script_path(script: str) -> str:

@@ -26,10 +26,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.console import Console
-from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_report, aggregate_step, validation_results
+from raytrain_ddp.driver.epochs import (
+    aggregate_epoch,
+    aggregate_report,
+    aggregate_step,
+    stragglers_to_warn,
+    validation_results,
+)
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
-from raytrain_ddp.errors import StorageFull, one_line, storage_full_as
+from raytrain_ddp.errors import StorageFull, one_line, plural, storage_full_as
 from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
@@ -128,6 +134,7 @@ class RunRecorder:
         self.checksums: dict[int, str] = {}
         self.metrics_file = MetricsFile(run_dir)
         self.epochs: dict[int, dict] = self.metrics_file.read()  # epoch -> aggregated record
+        self.trained_here: set[int] = set()  # epochs this driver recorded (a resumed run's others came before)
         self._pending: dict[int, dict[int, dict]] = {}  # epoch -> rank -> metrics
         self.steps_file = StepsFile(run_dir) if config.log_every_steps or launched else None
         self._pending_steps: dict[int, dict[int, dict]] = {}  # global step -> rank -> its record
@@ -198,8 +205,8 @@ class RunRecorder:
             log.warning("Ray Train restarted the workers%s (restart %d)", resumes, self.restarts)
         if world_size != self.world_size:
             log.warning(
-                "Training goes on with %d workers (was %d): global batch now %d per worker x %d = %d%s",
-                world_size,
+                "Training goes on with %s (was %d): global batch now %d per worker x %d = %d%s",
+                plural(world_size, "worker"),
                 self.world_size,
                 self.config.global_batch_for(1),
                 world_size,
@@ -223,9 +230,16 @@ class RunRecorder:
         record = aggregate_epoch(by_rank, self.config)
         if not record["val_identical_across_ranks"]:
             log.warning("validation metrics differ across ranks: %s", validation_results(list(by_rank.values())))
-        for straggler in record["stragglers"]:
-            log.warning("Epoch %d: rank %d is a straggler: %s", record["epoch"], straggler["rank"], straggler["why"])
+        for straggler in stragglers_to_warn(record, self.epochs.get(record["epoch"] - 1)):
+            log.warning(
+                "Epoch %d: rank %d is a straggler, as in epoch %d: %s",
+                record["epoch"],
+                straggler["rank"],
+                record["epoch"] - 1,
+                straggler["why"],
+            )
         self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
+        self.trained_here.add(record["epoch"])
         write_metrics = functools.partial(self.metrics_file.write, self.epochs)  # rewritten whole: also the retry
         self._write("metrics.jsonl", write_metrics, again=write_metrics)
         self.flush_files()

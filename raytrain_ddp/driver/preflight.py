@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.cluster.health import GPU_CHECK_FAILED
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError, first_line
+from raytrain_ddp.errors import ConfigError, first_line, plural
 
 # Ray Data's decode/shuffle tasks need CPUs the training workers do not hold:
 # without one left over, ingest waits for ever and so does training.
@@ -127,7 +127,7 @@ def check_fits(config: TrainConfig, nodes: list[dict]) -> int:
     """
     shape = f"{config.cpus_per_worker:g} CPU" + (" + 1 GPU" if config.use_gpu else "")
     needed = config.fewest_workers
-    asked = f"asked for {'at least ' if config.min_workers else ''}{needed} workers x {shape}"
+    asked = f"asked for {'at least ' if config.min_workers else ''}{plural(needed, 'worker')} x {shape}"
     if config.use_gpu and not any(n["gpus"] for n in nodes):
         raise ConfigError(
             f"--use-gpu, but no GPU in the Ray cluster ({describe(nodes)}); drop --use-gpu to train on CPU"
@@ -241,15 +241,15 @@ def check_local_capacity(config: TrainConfig) -> None:
     if config.fewest_workers > most:
         raise ConfigError(
             f"--num-workers {config.num_workers} x {config.cpus_per_worker:g} CPU does not fit this "
-            f"machine ({cores} cores, {memory_gib:.1f} GiB): at most {most} CPU workers fit "
-            f"(--num-workers {most}), or give --address of a larger Ray cluster"
+            f"machine ({plural(cores, 'core')}, {memory_gib:.1f} GiB): at most {plural(most, 'CPU worker')} can run "
+            f"here (--num-workers {most}), or give --address of a larger Ray cluster"
         )
     if config.num_workers * config.cpus_per_worker > cores:
         log.warning(
-            "%d CPU workers x %g CPU on %d cores: they share the cores and train slower than %d would",
-            config.num_workers,
+            "%s x %g CPU on %s: they share the cores and train slower than %d would",
+            plural(config.num_workers, "CPU worker"),
             config.cpus_per_worker,
-            cores,
+            plural(cores, "core"),
             cores,
         )
 

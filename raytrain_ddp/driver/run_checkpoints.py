@@ -22,7 +22,7 @@ from pathlib import Path
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError, headline
+from raytrain_ddp.errors import ConfigError, headline, plural
 from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, open_for_read, remove_tree
 from raytrain_ddp.worker.checkpoint import (
     CHECKPOINT_FILE,
@@ -31,6 +31,7 @@ from raytrain_ddp.worker.checkpoint import (
     is_sharded,
     load_file,
     model_shapes,
+    resume_point,
     shard_problem,
 )
 
@@ -77,9 +78,9 @@ def read_verified(checkpoint_dir: RunPath) -> tuple[dict | None, str | None]:
 
 
 def describe(checkpoint_dir: RunPath, state: dict) -> str:
-    """Where a checkpoint stands: "PATH (epoch E)", or "(epoch E, step S)" when taken mid-epoch."""
-    step = f", step {state['step_in_epoch']}" if state.get("step_in_epoch") else ""
-    return f"{checkpoint_dir} (epoch {state['epoch']}{step})"
+    """Where training goes on from a checkpoint: "PATH, at the start of epoch 3" or "PATH, in epoch 3, 24
+    optimizer steps into it" (a checkpoint records the epochs done, not the one it resumes in)."""
+    return f"{checkpoint_dir}, {resume_point(state['epoch'], state.get('step_in_epoch', 0))}"
 
 
 def model_mismatch(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str | None:
@@ -191,7 +192,7 @@ def check_resume_from(config: TrainConfig, spec, model: dict[str, tuple[int, ...
         )
     if state["epoch"] >= config.epochs and not state.get("step_in_epoch"):
         raise ConfigError(
-            f"{flag} has already trained {state['epoch']} epochs; ask for more --epochs "
+            f"{flag} has already trained {plural(state['epoch'], 'epoch')}; ask for more --epochs "
             f"(the total, counting those), got {config.epochs}"
         )
     check_fits_model(checkpoint_dir, state, model, flag, "give it a checkpoint of this model")
@@ -208,7 +209,7 @@ def seed_new_run(config: TrainConfig, state: dict) -> None:
     name = source.name if source.name.startswith("checkpoint_") else f"checkpoint_from_{source.name}"
     copy_tree(source, config.run_dir / name)
     _ray_compat.write_snapshot(config.run_dir, _ray_compat.new_snapshot(name, state.get("metrics") or {}))
-    log.info("Starting from checkpoint %s of run %s", describe(source, state), state["config"].get("name", "?"))
+    log.info("Starting from run %s's checkpoint %s", state["config"].get("name", "?"), describe(source, state))
 
 
 def _resume_from(config: TrainConfig) -> tuple[RunPath, RunPath]:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 
-from raytrain_ddp.errors import ConfigError, storage_full_as
+from raytrain_ddp.errors import ConfigError, plural, storage_full_as
 from raytrain_ddp.redact import redact_values
 from raytrain_ddp.storage import RemotePath, RunPath, local_copy, location
 
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 CHECKPOINT_FILE = "checkpoint.pt"
 SHARDS_DIR = "shards"  # a sharded checkpoint's DCP directory
 TRAINING_STATE_FILE = "training_state.pt"  # a sharded checkpoint's non-sharded state
+CONSOLIDATED_SUFFIXES = (".pt", ".pth")  # a consolidate OUT named so is the file, else a directory to hold it
 
 
 @dataclass
@@ -68,6 +69,17 @@ class Position:
     global_step: int = 0
     # (world size, optimizer steps) of epoch `epoch + 1`'s parts trained before the world size changed
     earlier_parts: tuple[tuple[int, int], ...] = ()
+
+    def resumes(self) -> str:
+        """Where training goes on from here, in words: the epoch it resumes in, not the last one done."""
+        return resume_point(self.epoch, self.step_in_epoch)
+
+
+def resume_point(epochs_done: int, steps_in_next: int) -> str:
+    """'at the start of epoch 3', or 'in epoch 3, 24 optimizer steps into it'."""
+    if not steps_in_next:
+        return f"at the start of epoch {epochs_done + 1}"
+    return f"in epoch {epochs_done + 1}, {plural(steps_in_next, 'optimizer step')} into it"
 
 
 def save(
@@ -217,12 +229,19 @@ def loaded(checkpoint: Checkpoint) -> Iterator[dict]:
         yield state
 
 
+def consolidated_file(out: str | Path) -> Path:
+    """Where consolidate writes: `out` itself when it names a file (.pt, .pth), else `out`/checkpoint.pt."""
+    out = Path(out)
+    return out if out.suffix in CONSOLIDATED_SUFFIXES else out / CHECKPOINT_FILE
+
+
 def consolidate(checkpoint_dir: str | RunPath, out: str | Path) -> Path:
     """Write a sharded checkpoint (local or on object storage) as one full-format checkpoint: the new local
-    directory `out`, holding checkpoint.pt.
+    file `out` when it ends in .pt or .pth, else the new local directory `out`, holding checkpoint.pt.
 
     On one process, without a process group; the whole state is in memory once. Raises ConfigError when
-    `out` exists (nothing is overwritten). Written beside `out` and renamed: a failed one leaves no `out`."""
+    `out` exists (nothing is overwritten). Written beside `out` and renamed: a failed one leaves no `out`.
+    Returns the file written."""
     out = Path(out)
     if out.exists():
         raise ConfigError(f"{out} already exists; consolidate writes a new file and overwrites nothing")
@@ -238,10 +257,11 @@ def consolidate(checkpoint_dir: str | RunPath, out: str | Path) -> Path:
         tensors = torch.load(shards, map_location="cpu", weights_only=True)
         shards.unlink()
         written = Path(scratch) / "out"
-        written.mkdir()
-        _save_atomic({"model": tensors["model"], "optimizer": tensors["optimizer"], **state}, written / CHECKPOINT_FILE)
+        file = written / consolidated_file(out).relative_to(out)  # `written` itself for a file
+        file.parent.mkdir(exist_ok=True)
+        _save_atomic({"model": tensors["model"], "optimizer": tensors["optimizer"], **state}, file)
         written.rename(out)  # within one directory: atomic
-    return out / CHECKPOINT_FILE
+    return consolidated_file(out)
 
 
 def position_of(state: dict) -> Position:

@@ -33,7 +33,7 @@ from torch import nn
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
-from raytrain_ddp.errors import storage_full_as
+from raytrain_ddp.errors import plural, storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss, make_task
@@ -190,7 +190,7 @@ class Trainer:
             if resizable and same_order:
                 position.earlier_parts += ((saved_world_size, position.step_in_epoch),)
                 done_steps = sum(size * steps for size, steps in position.earlier_parts) / self.world_size
-                goes_on = f"goes on with the rows its {position.step_in_epoch} optimizer steps did not train"
+                goes_on = f"goes on with the rows its {plural(position.step_in_epoch, 'optimizer step')} did not train"
             else:  # a plug-in's dataset (Ray Data splits it) or another order: no part can be replayed
                 position.earlier_parts, goes_on = (), "starts over"
             log.info(
@@ -328,15 +328,7 @@ class WorkerLoop:
         if (resume_from := ray.train.get_checkpoint()) is not None:
             with ckpt.loaded(resume_from) as state:
                 self.position = self.trainer.restore(state, isinstance(self.train_shard, TrainShard))
-            log.info(
-                "rank %d resumed from %s after epoch %d%s",
-                self.rank,
-                resume_from.path,
-                self.position.epoch,
-                f" and {self.position.step_in_epoch} optimizer steps of the next"
-                if self.position.step_in_epoch
-                else "",
-            )
+            log.info("rank %d resumes from %s %s", self.rank, resume_from.path, self.position.resumes())
         log.info("training on %s from epoch %d", self.device, self.position.epoch + 1)
         return self.position
 

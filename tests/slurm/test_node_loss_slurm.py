@@ -115,7 +115,7 @@ def test_lost_node_with_min_workers_goes_on_with_fewer(testbed: Testbed) -> None
     assert f"Lost node {LOST_NODE}" in job.log, show(job)
     assert "Ray Train restarted the workers from the latest checkpoint (restart 1)" in job.log, show(job)
     assert (
-        "Training goes on with 1 workers (was 2): global batch now 64 per worker x 1 = 64, "
+        "Training goes on with 1 worker (was 2): global batch now 64 per worker x 1 = 64, "
         "learning rate 0.02 (--scale-lr)"
     ) in job.log, show(job)
     assert "trainer exited with code 0" in job.log, show(job)
