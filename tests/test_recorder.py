@@ -9,7 +9,14 @@ import pytest
 from support import rank_epoch_message
 
 from raytrain_ddp import TrainConfig
-from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, find_stragglers
+from raytrain_ddp.driver.epochs import (
+    PER_RANK_LIMIT,
+    aggregate_epoch,
+    aggregate_step,
+    find_stragglers,
+    split_per_rank,
+    summarize_ranks,
+)
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.monitor import RunRecorder
 from raytrain_ddp.driver.run_files import MetricsFile
@@ -275,3 +282,46 @@ def test_the_heartbeat_posts_validation_progress_and_compilation_as_a_phase(monk
     assert seen["compiling"].is_set()
     seen["training"].clear()
     assert seen["training"].wait(30)  # compiled: back to the phase it interrupted
+
+
+def test_a_per_rank_summary_gives_the_spread_and_names_the_ranks_at_each_end():
+    summary = summarize_ranks([0.5, None, 3.0, 1.0, 2.0, 0.1])
+    assert summary == {
+        "ranks_measured": 5,
+        "min": 0.1,
+        "median": 1.0,
+        "p90": 2.0,
+        "max": 3.0,
+        "lowest_ranks": [5, 0, 3],
+        "highest_ranks": [2, 4, 3],
+    }
+    assert summarize_ranks([None, None]) == {"ranks_measured": 0}
+
+
+def test_a_small_world_keeps_its_per_rank_lists_and_a_large_one_keeps_summaries():
+    config = TrainConfig(num_workers=2)
+    small = aggregate_epoch({rank: rank_epoch_message(rank) for rank in range(PER_RANK_LIMIT)}, config)
+    assert split_per_rank(small) == (small, {})
+    world = 4096
+    large = aggregate_epoch({rank: rank_epoch_message(rank) for rank in range(world)}, config)
+    record, lists = split_per_rank(large)
+    assert not [key for key in record if key.endswith("_per_rank")]
+    assert lists["train_loss_per_rank"] == large["train_loss_per_rank"] and len(lists["samples_per_rank"]) == world
+    assert record["train_loss_ranks"]["highest_ranks"] == [world - 1, world - 2, world - 3]  # loss 1 + rank
+    assert record["train_loss"] == large["train_loss"] and record["world_size"] == world
+    assert len(json.dumps(record)) < 10_000  # the lists made ~1 MB
+
+
+def test_a_large_world_writes_its_lists_once_per_epoch_beside_small_records(tmp_path):
+    world = PER_RANK_LIMIT + 1
+    config = TrainConfig(num_workers=world, log_every_steps=1, storage_path=str(tmp_path), name="large")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512 * world, world_size=world, sinks=[])
+    recorder.consume([("steps", rank, [_step(1, rank, 1.0 + rank)]) for rank in range(world)])
+    recorder.consume([("epoch", rank, rank_epoch_message(rank)) for rank in range(world)])
+    (record,) = MetricsFile(config.run_dir).read().values()
+    assert record["rank_lists_file"] == "ranks/epoch-1.json" and "train_loss_per_rank" not in record
+    lists = json.loads((config.run_dir / record["rank_lists_file"]).read_text())
+    assert lists["train_loss_per_rank"] == [1.0 + rank for rank in range(world)]
+    (step,) = [json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert "train_loss_per_rank" not in step and step["train_loss_ranks"]["max"] == 1.0 + world - 1
