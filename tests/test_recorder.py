@@ -307,7 +307,7 @@ def test_a_small_world_keeps_its_per_rank_lists_and_a_large_one_keeps_summaries(
     record, lists = split_per_rank(large)
     assert not [key for key in record if key.endswith("_per_rank")]
     assert lists["train_loss_per_rank"] == large["train_loss_per_rank"] and len(lists["samples_per_rank"]) == world
-    assert record["train_loss_ranks"]["highest_ranks"] == [world - 1, world - 2, world - 3]  # loss 1 + rank
+    assert record["train_loss_rank_summary"]["highest_ranks"] == [world - 1, world - 2, world - 3]  # loss 1 + rank
     assert record["train_loss"] == large["train_loss"] and record["world_size"] == world
     assert len(json.dumps(record)) < 10_000  # the lists made ~1 MB
 
@@ -324,4 +324,4 @@ def test_a_large_world_writes_its_lists_once_per_epoch_beside_small_records(tmp_
     lists = json.loads((config.run_dir / record["rank_lists_file"]).read_text())
     assert lists["train_loss_per_rank"] == [1.0 + rank for rank in range(world)]
     (step,) = [json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines()]
-    assert "train_loss_per_rank" not in step and step["train_loss_ranks"]["max"] == 1.0 + world - 1
+    assert "train_loss_per_rank" not in step and step["train_loss_rank_summary"]["max"] == 1.0 + world - 1

@@ -53,9 +53,9 @@ class Console:
 
     def show_report(self, record: dict) -> None:
         """A step a launched script reported on every rank: its figures (mean over ranks, and their range)."""
-        # the ranks differ: NAME_per_rank, or above epochs.PER_RANK_LIMIT ranks its summary NAME_ranks
-        spread = {k.removesuffix(s) for k in record for s in ("_per_rank", "_ranks") if k.endswith(s)}
-        derived = {f"{k}{suffix}" for k in spread for suffix in ("_min", "_max", "_per_rank", "_ranks")}
+        # the ranks differ: NAME_per_rank, or above epochs.PER_RANK_LIMIT ranks its summary NAME_rank_summary
+        spread = {k.removesuffix(s) for k in record for s in ("_per_rank", "_rank_summary") if k.endswith(s)}
+        derived = {f"{k}{suffix}" for k in spread for suffix in ("_min", "_max", "_per_rank", "_rank_summary")}
         figures = [
             f"{key} {value:.6g}"
             + (f" ({record[key + '_min']:.6g}..{record[key + '_max']:.6g})" if key in spread else "")

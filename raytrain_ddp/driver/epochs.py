@@ -12,7 +12,7 @@ import statistics
 from raytrain_ddp.config import TrainConfig
 
 STRAGGLER_MIN_EXCESS_S = 0.25  # below this, waiting is noise, not a bottleneck
-# Above this world size a record holds a summary of each per-rank list (NAME_ranks), not the list: at 4,096 ranks
+# Above this world size a record holds a summary of each per-rank list (NAME_rank_summary), not the list: at 4,096 ranks
 # the lists made an epoch record of ~1 MB (docs/scale.md); the epoch's lists go to a file of their own.
 PER_RANK_LIMIT = 64
 EXTREME_RANKS = 3  # the ranks a summary names at each end
@@ -121,11 +121,13 @@ def summarize_ranks(values: list) -> dict:
 
 def split_per_rank(record: dict) -> tuple[dict, dict[str, list]]:
     """(the record to keep, its per-rank lists): above PER_RANK_LIMIT ranks each NAME_per_rank list is replaced
-    by NAME_ranks, its summary; at or below it the record is kept whole, and no lists are split off."""
+    by NAME_rank_summary, its summary; at or below it the record is kept whole, and no lists are split off."""
     if record["world_size"] <= PER_RANK_LIMIT:
         return record, {}
     lists = {key: value for key, value in record.items() if key.endswith("_per_rank")}
-    summaries = {key.removesuffix("_per_rank") + "_ranks": summarize_ranks(value) for key, value in lists.items()}
+    summaries = {
+        key.removesuffix("_per_rank") + "_rank_summary": summarize_ranks(value) for key, value in lists.items()
+    }
     return {**{key: value for key, value in record.items() if key not in lists}, **summaries}, lists
 
 

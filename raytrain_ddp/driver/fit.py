@@ -627,8 +627,8 @@ def _after_storage_full(run_dir: RunPath, recorder: RunRecorder) -> None:
 def _optimizer_steps(record: dict) -> int:
     """Rank zero's optimizer steps in an epoch record; a large world's record holds their summary (the same on
     every rank)."""
-    if "optimizer_steps_ranks" in record:
-        return record["optimizer_steps_ranks"].get("max", 0)
+    if "optimizer_steps_rank_summary" in record:
+        return record["optimizer_steps_rank_summary"].get("max", 0)
     return (record.get("optimizer_steps_per_rank") or [0])[0]
 
 
