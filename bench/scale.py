@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -58,10 +59,22 @@ def position(beat: int) -> tuple[int, int]:
     return (beat - 1) // BEATS_PER_EPOCH + 1, (beat - 1) % BEATS_PER_EPOCH + 1
 
 
+def figure(rank: int, base: float) -> float:
+    """A rank's measured figure near `base`, with a real measurement's 17 significant digits (record sizes)."""
+    return base * (1 + math.sin(rank) / 100)
+
+
 def step_record(rank: int, beat: int) -> dict:
     """The steps.jsonl record a rank's EpochMeter.refresh_loss makes (with --log-every-steps 1)."""
     epoch, _ = position(beat)
-    return {"step": beat, "epoch": epoch, "lr": 0.1, "loss": 1.0 + rank / 1e4, "samples": 64, "seconds": BEAT_S}
+    return {
+        "step": beat,
+        "epoch": epoch,
+        "lr": 0.1,
+        "loss": figure(rank, 1.0),
+        "samples": 64,
+        "seconds": figure(rank, BEAT_S),
+    }
 
 
 def epoch_message(rank: int, epoch: int) -> dict:
@@ -69,7 +82,7 @@ def epoch_message(rank: int, epoch: int) -> dict:
     return {
         "epoch": epoch,
         "rank": rank,
-        "train_loss": 1.0 + rank / 1e4,
+        "train_loss": figure(rank, 1.0),
         "samples": 64 * BEATS_PER_EPOCH,
         "micro_batches": BEATS_PER_EPOCH,
         "steps": BEATS_PER_EPOCH,
@@ -77,13 +90,13 @@ def epoch_message(rank: int, epoch: int) -> dict:
         "skipped_steps": 0,
         "grad_allreduces": BEATS_PER_EPOCH,
         "lr": 0.1,
-        "train_seconds": BEATS_PER_EPOCH * BEAT_S,
-        "data_wait_seconds": 0.01 + rank % 7 / 1e3,
-        "step_seconds": 0.9,
+        "train_seconds": figure(rank, BEATS_PER_EPOCH * BEAT_S),
+        "data_wait_seconds": figure(rank, 0.01),
+        "step_seconds": figure(rank, 0.9),
         "val_loss": 0.5,
         "val_accuracy": 0.9,
         "val_rows": 640,
-        "allreduce_wait_seconds": 0.1 + rank % 5 / 1e3,
+        "allreduce_wait_seconds": figure(rank, 0.1),
     }
 
 
