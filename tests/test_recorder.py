@@ -325,3 +325,13 @@ def test_a_large_world_writes_its_lists_once_per_epoch_beside_small_records(tmp_
     assert lists["train_loss_per_rank"] == [1.0 + rank for rank in range(world)]
     (step,) = [json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines()]
     assert "train_loss_per_rank" not in step and step["train_loss_rank_summary"]["max"] == 1.0 + world - 1
+
+
+def test_a_large_worlds_epoch_gives_the_sinks_each_figures_spread_not_a_scalar_per_rank():
+    from raytrain_ddp.driver.tensorboard_log import epoch_scalars
+
+    world = PER_RANK_LIMIT + 1
+    record, _ = split_per_rank(aggregate_epoch({r: rank_epoch_message(r) for r in range(world)}, TrainConfig()))
+    scalars = epoch_scalars(record)
+    assert scalars["train_loss/max"] == 1.0 + world - 1 and scalars["data_wait/median"] == 0.01
+    assert not [tag for tag in scalars if "/rank_" in tag] and "val_loss/max" not in scalars  # identical on all
