@@ -335,3 +335,17 @@ def test_a_large_worlds_epoch_gives_the_sinks_each_figures_spread_not_a_scalar_p
     scalars = epoch_scalars(record)
     assert scalars["train_loss/max"] == 1.0 + world - 1 and scalars["data_wait/median"] == 0.01
     assert not [tag for tag in scalars if "/rank_" in tag] and "val_loss/max" not in scalars  # identical on all
+
+
+def test_a_large_worlds_stall_names_the_ranks_furthest_behind_and_counts_the_rest():
+    from raytrain_ddp.driver.liveness import STALL_RANKS_SHOWN
+
+    liveness = Liveness()
+    world = 4096
+    for rank in range(world - 8):  # rank 7 is behind; the last 8 ranks never reported
+        liveness.track(rank, {**_beat(1, 3 if rank == 7 else 4, "training"), "time": 1.0})
+    workers = {rank: {"hostname": f"node{rank // 8}"} for rank in range(world)}
+    verdict = liveness.describe_stall(workers)
+    assert verdict.startswith("rank 7 on node0: training, epoch 1 step 3")
+    assert f"; {world - 8 - STALL_RANKS_SHOWN} more rank(s) as far along or further; rank {world - 8} on " in verdict
+    assert verdict.count("no news since it started") == 8 and len(verdict) < 3000
