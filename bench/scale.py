@@ -248,6 +248,14 @@ def _last_line_bytes(path: Path) -> int | None:
     return len(lines[-1]) if lines else None
 
 
+def _or_never(seconds: float | None) -> str:
+    return f"not within {VERDICT_WAIT_S}" if seconds is None else str(seconds)
+
+
+def _bytes(size: int | None) -> str:
+    return "none written" if size is None else f"{size:,}"
+
+
 def table(results: list[dict]) -> str:
     header = (
         "| Ranks | Driver CPU (cores) | Driver RSS (MiB) | Heartbeat lag p99 (s) | Stuck rank named (s past "
@@ -256,8 +264,8 @@ def table(results: list[dict]) -> str:
     )
     rows = [
         f"| {r['ranks']:,} | {r['driver_cpu_cores']:.2f} | {r['driver_rss_mib']:,.0f} | {r['heartbeat_lag_p99_s']} "
-        f"| {r['stopped_rank_named_s']} | {r['named_rank']} ({r['stuck_rank']}) | {r['epoch_record_bytes']:,} "
-        f"| {r['step_record_bytes']:,} | {r['sender_behind_s']} |"
+        f"| {_or_never(r['stopped_rank_named_s'])} | {r['named_rank']} ({r['stuck_rank']}) "
+        f"| {_bytes(r['epoch_record_bytes'])} | {_bytes(r['step_record_bytes'])} | {r['sender_behind_s']} |"
         for r in results
     ]
     return "\n".join([header, "|---" * 9 + "|", *rows])
