@@ -249,7 +249,7 @@ def _last_line_bytes(path: Path) -> int | None:
 
 
 def _or_never(seconds: float | None) -> str:
-    return f"not within {VERDICT_WAIT_S}" if seconds is None else str(seconds)
+    return f"not within {VERDICT_WAIT_S} s" if seconds is None else str(seconds)
 
 
 def _bytes(size: int | None) -> str:
