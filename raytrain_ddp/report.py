@@ -633,6 +633,32 @@ def _workers_html(run: Run) -> str:
     )
 
 
+def _rank_summaries_html(run: Run) -> str:
+    """A large world's last epoch (above epochs.PER_RANK_LIMIT ranks): each per-rank figure's spread and the
+    ranks at its ends, where a small world's worker table has a column per figure."""
+    last = run.epochs[-1] if run.epochs else {}
+    summaries = {
+        key.removesuffix("_rank_summary"): value for key, value in last.items() if key.endswith("_rank_summary")
+    }
+    if not summaries:
+        return ""
+    head = ["figure", "min", "median", "p90", "max", "highest ranks", "lowest ranks"]
+    body = []
+    for name, summary in summaries.items():
+        cells = [_e(name.replace("_", " "))]
+        cells += [_fmt(summary.get(k), ".4g") for k in ("min", "median", "p90", "max")]
+        cells += [_e(", ".join(map(str, summary.get(k, [])))) for k in ("highest_ranks", "lowest_ranks")]
+        body.append(f"<tr>{''.join(f'<td>{c}</td>' for c in cells)}</tr>")
+    caption = f"the last epoch ({_e(last['epoch'])}) over {_e(last.get('world_size'))} ranks; each rank's: " + _e(
+        last.get("rank_lists_file", "")
+    )
+    return (
+        f'<section id="rank-summaries"><h2>Ranks <span class="sub">{caption}</span></h2><div class="scroll">'
+        f"<table><thead><tr>{''.join(f'<th>{_e(h)}</th>' for h in head)}</tr></thead>"
+        f"<tbody>{''.join(body)}</tbody></table></div></section>"
+    )
+
+
 def _epochs_html(run: Run) -> str:
     if not run.epochs:
         return '<section id="epochs"><h2>Epochs</h2><p class="sub">No epoch finished.</p></section>'
@@ -652,6 +678,7 @@ def _epochs_html(run: Run) -> str:
         lo, hi = rec.get("train_loss_min"), rec.get("train_loss_max")
         spread = f"{_fmt(lo)}..{_fmt(hi)}" if lo is not None and hi is not None else DASH
         waits = [w for w in _per_rank(rec, "data_wait_seconds_per_rank") or [] if w is not None]
+        waits = waits or [w for w in [rec.get("data_wait_seconds_rank_summary", {}).get("max")] if w is not None]
         cells = [
             _e(rec.get("epoch")),
             _fmt(rec.get("train_loss")),
@@ -754,7 +781,7 @@ def render_html(run: Run, plots: list[Plot]) -> str:
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body><main>"
-        f"{_summary_html(run)}{_plots_html(plots)}{_workers_html(run)}{_profile_html(run)}"
+        f"{_summary_html(run)}{_plots_html(plots)}{_rank_summaries_html(run)}{_workers_html(run)}{_profile_html(run)}"
         f"{_epochs_html(run)}{_config_html(run)}"
         f"<footer>Made by raytrain_ddp.report at {_e(made)} from {_e(run.run_dir)}</footer>"
         f"</main></body></html>\n"

@@ -15,6 +15,15 @@ pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("throughput_ratio", "first_step_ratio", "ingest_ratio")
+SCALE_KEYS = (
+    "ranks",
+    "driver_cpu_cores",
+    "driver_rss_mib",
+    "heartbeat_lag_p99_s",
+    "stopped_rank_named_s",
+    "epoch_record_bytes",
+    "step_record_bytes",
+)
 
 
 def test_smoke_bench_writes_the_three_figures(tmp_path):
@@ -95,3 +104,17 @@ def test_resume_after_kill_bench_measures_a_resume_from_an_interval_checkpoint(t
     assert round_["kill_to_first_step_s"] > 0
     assert round_["resumed_at_step"] > 1 and round_["steps_trained_again"] > 0, round_  # mid-epoch, from the checkpoint
     assert "kill -> first trained step" in proc.stdout
+
+
+def test_scale_simulator_measures_the_driver_at_its_smallest_size(tmp_path):
+    """64 fake ranks through the real monitor, watcher and recorder: every figure, the stuck rank named, records
+    bounded (the figures at thousands of ranks: docs/scale.md)."""
+    out = tmp_path / "scale.json"
+    proc = _bench("bench.scale", "--ranks", "64", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads(out.read_text())
+    assert set(SCALE_KEYS) <= set(result) and result["ranks"] == 64
+    assert result["named_rank"] == result["stuck_rank"] and result["stopped_rank_named_s"] is not None
+    assert 0 < result["epoch_record_bytes"] < 2**16 and 0 < result["step_record_bytes"] < 2**12, result
+    assert result["driver_cpu_cores"] > 0 and result["heartbeat_lag_p99_s"] > 0
+    assert "| Ranks |" in proc.stdout

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raytrain_ddp.driver.console import Console
-from raytrain_ddp.driver.epochs import aggregate_report
+from raytrain_ddp.driver.epochs import PER_RANK_LIMIT, aggregate_report, split_per_rank
 from raytrain_ddp.driver.failures import describe_failure
 from raytrain_ddp.driver.stacks import main_thread, outside_collectives
 from raytrain_ddp.errors import ConfigError, ScriptFailed, ScriptKilled
@@ -97,6 +97,14 @@ def test_a_reported_step_is_the_mean_over_ranks_with_its_spread_where_they_diffe
     with caplog.at_level("INFO", logger="raytrain_ddp"):
         Console(1).show_report(record)
     assert caplog.messages == ["step 3: loss 2 (1..3), lr 0.1"]
+
+
+def test_a_large_worlds_reported_step_shows_its_spread_from_the_summary(caplog):
+    ranks = range(PER_RANK_LIMIT + 1)
+    record, _ = split_per_rank(aggregate_report({rank: {"step": 3, "loss": float(rank), "lr": 0.1} for rank in ranks}))
+    with caplog.at_level("INFO", logger="raytrain_ddp"):
+        Console(1).show_report(record)
+    assert caplog.messages == [f"step 3: loss 32 (0..{PER_RANK_LIMIT}), lr 0.1"]
 
 
 def test_a_failed_ranks_error_is_read_from_its_traceback_as_torch_prefixes_it():

@@ -30,6 +30,7 @@ ALWAYS_MANY = (  # counts these messages only show above 1
     'f"{DASH} workers"',  # no count: a dash
     "/{want} nodes joined",  # a fraction, "0/1 nodes"
     "init_process_group: the {supervisor.world_size} ranks",  # said of more than one rank only
+    "over {_e(last.get('world_size'))} ranks",  # the report's large-world section: over PER_RANK_LIMIT ranks
 )
 
 

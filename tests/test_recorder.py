@@ -9,7 +9,14 @@ import pytest
 from support import rank_epoch_message
 
 from raytrain_ddp import TrainConfig
-from raytrain_ddp.driver.epochs import aggregate_epoch, aggregate_step, find_stragglers
+from raytrain_ddp.driver.epochs import (
+    PER_RANK_LIMIT,
+    aggregate_epoch,
+    aggregate_step,
+    find_stragglers,
+    split_per_rank,
+    summarize_ranks,
+)
 from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.monitor import RunRecorder
 from raytrain_ddp.driver.run_files import MetricsFile
@@ -329,3 +336,70 @@ def test_a_straggler_is_warned_of_only_when_the_same_rank_lags_two_epochs_runnin
     assert len(warned) == 1 and warned[0].startswith("Epoch 3: rank 1 is a straggler, as in epoch 2: data wait 2s"), (
         warned
     )
+
+
+def test_a_per_rank_summary_gives_the_spread_and_names_the_ranks_at_each_end():
+    summary = summarize_ranks([0.5, None, 3.0, 1.0, 2.0, 0.1])
+    assert summary == {
+        "ranks_measured": 5,
+        "min": 0.1,
+        "median": 1.0,
+        "p90": 2.0,
+        "max": 3.0,
+        "lowest_ranks": [5, 0, 3],
+        "highest_ranks": [2, 4, 3],
+    }
+    assert summarize_ranks([None, None]) == {"ranks_measured": 0}
+
+
+def test_a_small_world_keeps_its_per_rank_lists_and_a_large_one_keeps_summaries():
+    config = TrainConfig(num_workers=2)
+    small = aggregate_epoch({rank: rank_epoch_message(rank) for rank in range(PER_RANK_LIMIT)}, config)
+    assert split_per_rank(small) == (small, {})
+    world = 4096
+    large = aggregate_epoch({rank: rank_epoch_message(rank) for rank in range(world)}, config)
+    record, lists = split_per_rank(large)
+    assert not [key for key in record if key.endswith("_per_rank")]
+    assert lists["train_loss_per_rank"] == large["train_loss_per_rank"] and len(lists["samples_per_rank"]) == world
+    assert record["train_loss_rank_summary"]["highest_ranks"] == [world - 1, world - 2, world - 3]  # loss 1 + rank
+    assert record["train_loss"] == large["train_loss"] and record["world_size"] == world
+    assert len(json.dumps(record)) < 10_000  # the lists made ~1 MB
+
+
+def test_a_large_world_writes_its_lists_once_per_epoch_beside_small_records(tmp_path):
+    world = PER_RANK_LIMIT + 1
+    config = TrainConfig(num_workers=world, log_every_steps=1, storage_path=str(tmp_path), name="large")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512 * world, world_size=world, sinks=[])
+    recorder.consume([("steps", rank, [_step(1, rank, 1.0 + rank)]) for rank in range(world)])
+    recorder.consume([("epoch", rank, rank_epoch_message(rank)) for rank in range(world)])
+    (record,) = MetricsFile(config.run_dir).read().values()
+    assert record["rank_lists_file"] == "ranks/epoch-1.json" and "train_loss_per_rank" not in record
+    lists = json.loads((config.run_dir / record["rank_lists_file"]).read_text())
+    assert lists["train_loss_per_rank"] == [1.0 + rank for rank in range(world)]
+    (step,) = [json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert "train_loss_per_rank" not in step and step["train_loss_rank_summary"]["max"] == 1.0 + world - 1
+
+
+def test_a_large_worlds_epoch_gives_the_sinks_each_figures_spread_not_a_scalar_per_rank():
+    from raytrain_ddp.driver.tensorboard_log import epoch_scalars
+
+    world = PER_RANK_LIMIT + 1
+    record, _ = split_per_rank(aggregate_epoch({r: rank_epoch_message(r) for r in range(world)}, TrainConfig()))
+    scalars = epoch_scalars(record)
+    assert scalars["train_loss/max"] == 1.0 + world - 1 and scalars["data_wait/median"] == 0.01
+    assert not [tag for tag in scalars if "/rank_" in tag] and "val_loss/max" not in scalars  # identical on all
+
+
+def test_a_large_worlds_stall_names_the_ranks_furthest_behind_and_counts_the_rest():
+    from raytrain_ddp.driver.liveness import STALL_RANKS_SHOWN
+
+    liveness = Liveness()
+    world = 4096
+    for rank in range(world - 8):  # rank 7 is behind; the last 8 ranks never reported
+        liveness.track(rank, {**_beat(1, 3 if rank == 7 else 4, "training"), "time": 1.0})
+    workers = {rank: {"hostname": f"node{rank // 8}"} for rank in range(world)}
+    verdict = liveness.describe_stall(workers)
+    assert verdict.startswith("rank 7 on node0: training, epoch 1 step 3")
+    assert f"; {world - 8 - STALL_RANKS_SHOWN} more rank(s) as far along or further; rank {world - 8} on " in verdict
+    assert verdict.count("no news since it started") == 8 and len(verdict) < 3000

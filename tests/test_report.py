@@ -316,3 +316,26 @@ def test_page_renders_in_headless_chromium(report, tmp_path):
         rgb = image.convert("RGB")
         assert len(rgb.getcolors(maxcolors=1 << 20) or range(1 << 20)) > 50  # many colours: text and plots
         assert max(ImageStat.Stat(rgb).stddev) > 10  # not one flat colour
+
+
+def test_a_large_worlds_report_shows_each_figures_spread_and_its_extreme_ranks(tmp_path):
+    """Above epochs.PER_RANK_LIMIT ranks the records hold summaries: the page shows them, no per-rank lists."""
+    from support import rank_epoch_message
+
+    from raytrain_ddp import TrainConfig
+    from raytrain_ddp.driver.epochs import PER_RANK_LIMIT
+    from raytrain_ddp.driver.monitor import RunRecorder
+    from raytrain_ddp.report import write_report
+
+    world = PER_RANK_LIMIT + 1
+    config = TrainConfig(num_workers=world, log_every_steps=0, storage_path=str(tmp_path), name="large")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512 * world, world_size=world, sinks=[])
+    recorder.consume([("epoch", rank, rank_epoch_message(rank)) for rank in range(world)])
+    (config.run_dir / "summary.json").write_text(json.dumps({"status": "finished", "world_size": world}))
+    page = write_report(config.run_dir).read_text()
+    doc = parse(page)
+    assert "rank-summaries" in doc.ids
+    section = page[page.index('id="rank-summaries"') : page.index('id="workers"')]
+    assert "train loss" in section and f"{world - 1}, {world - 2}, {world - 3}" in section  # loss 1 + rank
+    assert "ranks/epoch-1.json" in section

@@ -62,8 +62,9 @@ class Console:
 
     def show_report(self, record: dict) -> None:
         """A step a launched script reported on every rank: its figures (mean over ranks, and their range)."""
-        spread = {k[: -len("_per_rank")] for k in record if k.endswith("_per_rank")}
-        derived = {f"{k}{suffix}" for k in spread for suffix in ("_min", "_max", "_per_rank")}
+        # the ranks differ: NAME_per_rank, or above epochs.PER_RANK_LIMIT ranks its summary NAME_rank_summary
+        spread = {k.removesuffix(s) for k in record for s in ("_per_rank", "_rank_summary") if k.endswith(s)}
+        derived = {f"{k}{suffix}" for k in spread for suffix in ("_min", "_max", "_per_rank", "_rank_summary")}
         figures = [
             f"{key} {value:.6g}"
             + (f" ({record[key + '_min']:.6g}..{record[key + '_max']:.6g})" if key in spread else "")

@@ -13,6 +13,10 @@ from raytrain_ddp.config import TrainConfig
 
 STRAGGLER_MIN_EXCESS_S = 0.25  # below this, waiting is noise, not a bottleneck
 STRAGGLER_WARN_SHARE = 0.1  # a straggler costing less of the epoch's time is not worth a warning
+# Above this world size a record holds a summary of each per-rank list (NAME_rank_summary), not the list: at 4,096 ranks
+# the lists made an epoch record of ~1 MB (docs/scale.md); the epoch's lists go to a file of their own.
+PER_RANK_LIMIT = 64
+EXTREME_RANKS = 3  # the ranks a summary names at each end
 
 
 def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
@@ -96,6 +100,36 @@ def aggregate_report(by_rank: dict[int, dict]) -> dict:
         if min(values) != max(values):
             record[f"{key}_min"], record[f"{key}_max"], record[f"{key}_per_rank"] = min(values), max(values), values
     return record
+
+
+def summarize_ranks(values: list) -> dict:
+    """A per-rank list in a few numbers: min, median, p90, max, and the ranks at each end (None values, a rank
+    that measured nothing, are left out)."""
+    known = sorted((value, rank) for rank, value in enumerate(values) if value is not None)
+    if not known:
+        return {"ranks_measured": 0}
+    ordered = [value for value, _ in known]
+    return {
+        "ranks_measured": len(known),
+        "min": ordered[0],
+        "median": statistics.median(ordered),
+        "p90": ordered[int(0.9 * (len(ordered) - 1))],
+        "max": ordered[-1],
+        "lowest_ranks": [rank for _, rank in known[:EXTREME_RANKS]],
+        "highest_ranks": [rank for _, rank in reversed(known[-EXTREME_RANKS:])],
+    }
+
+
+def split_per_rank(record: dict) -> tuple[dict, dict[str, list]]:
+    """(the record to keep, its per-rank lists): above PER_RANK_LIMIT ranks each NAME_per_rank list is replaced
+    by NAME_rank_summary, its summary; at or below it the record is kept whole, and no lists are split off."""
+    if record["world_size"] <= PER_RANK_LIMIT:
+        return record, {}
+    lists = {key: value for key, value in record.items() if key.endswith("_per_rank")}
+    summaries = {
+        key.removesuffix("_per_rank") + "_rank_summary": summarize_ranks(value) for key, value in lists.items()
+    }
+    return {**{key: value for key, value in record.items() if key not in lists}, **summaries}, lists
 
 
 def validation_names(metrics: dict) -> list[str]:

@@ -626,12 +626,20 @@ def _after_storage_full(run_dir: RunPath, recorder: RunRecorder) -> None:
     recorder.flush_files()
 
 
+def _optimizer_steps(record: dict) -> int:
+    """Rank zero's optimizer steps in an epoch record; a large world's record holds their summary (the same on
+    every rank)."""
+    if "optimizer_steps_rank_summary" in record:
+        return record["optimizer_steps_rank_summary"].get("max", 0)
+    return (record.get("optimizer_steps_per_rank") or [0])[0]
+
+
 def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRecorder) -> None:
     """A finished run that ended before --profile-steps' last step: one line, the run stays finished."""
     if (window := config.profile_window) is None:
         return
     first, last = window
-    steps = sum((record.get("optimizer_steps_per_rank") or [0])[0] for record in recorder.epochs.values())
+    steps = sum(_optimizer_steps(record) for record in recorder.epochs.values())
     if steps < first:
         log.warning(
             "--profile-steps %d:%d recorded nothing: the run ended after %s",

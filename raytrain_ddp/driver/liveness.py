@@ -14,6 +14,10 @@ import time
 
 from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 
+# A stall's description names this many ranks, the furthest behind first (and as many silent ones): listing
+# every rank made one line of 245,000 characters at 4,096 ranks (docs/scale.md).
+STALL_RANKS_SHOWN = 16
+
 # Within an epoch: the earlier phase is behind (compiling happens inside training, or validation's first batch).
 PHASE_ORDER = {
     "starting": 0,
@@ -95,13 +99,20 @@ class Liveness:
         seen = sorted(self.positions, key=lambda rank: (self._behind_first(rank), self.positions[rank]["time"]))
         now = time.monotonic()
         parts = []
-        for rank in seen:
+        for rank in seen[:STALL_RANKS_SHOWN]:
             p = self.positions[rank]
             host = workers.get(rank, {}).get("hostname", "?")
             parts.append(
                 f"rank {rank} on {host}: {describe_phase(p)}, epoch {p['epoch']} step {p['steps']}, "
                 f"unchanged for {now - p['moved_at']:.0f}s"
             )
+        if len(seen) > STALL_RANKS_SHOWN:
+            parts.append(f"{len(seen) - STALL_RANKS_SHOWN} more rank(s) as far along or further")
         silent = [r for r in sorted(workers) if r not in self.positions]
-        parts += [f"rank {r} on {workers[r].get('hostname', '?')}: no news since it started" for r in silent]
+        parts += [
+            f"rank {r} on {workers[r].get('hostname', '?')}: no news since it started"
+            for r in silent[:STALL_RANKS_SHOWN]
+        ]
+        if len(silent) > STALL_RANKS_SHOWN:
+            parts.append(f"{len(silent) - STALL_RANKS_SHOWN} more rank(s) with no news since they started")
         return "; ".join(parts)

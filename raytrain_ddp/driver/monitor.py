@@ -30,11 +30,12 @@ from raytrain_ddp.driver.epochs import (
     aggregate_epoch,
     aggregate_report,
     aggregate_step,
+    split_per_rank,
     stragglers_to_warn,
     validation_results,
 )
 from raytrain_ddp.driver.liveness import Liveness
-from raytrain_ddp.driver.run_files import MetricsFile, StepsFile
+from raytrain_ddp.driver.run_files import MetricsFile, StepsFile, write_rank_lists
 from raytrain_ddp.errors import StorageFull, one_line, plural, storage_full_as
 from raytrain_ddp.storage import RunPath
 
@@ -227,10 +228,11 @@ class RunRecorder:
         return ranks
 
     def _record_epoch(self, by_rank: dict[int, dict]) -> None:
-        record = aggregate_epoch(by_rank, self.config)
+        whole = aggregate_epoch(by_rank, self.config)
+        record, lists = split_per_rank(whole)
         if not record["val_identical_across_ranks"]:
             log.warning("validation metrics differ across ranks: %s", validation_results(list(by_rank.values())))
-        for straggler in stragglers_to_warn(record, self.epochs.get(record["epoch"] - 1)):
+        for straggler in stragglers_to_warn(whole, self.epochs.get(record["epoch"] - 1)):  # the lists tell lateness
             log.warning(
                 "Epoch %d: rank %d is a straggler, as in epoch %d: %s",
                 record["epoch"],
@@ -238,6 +240,10 @@ class RunRecorder:
                 record["epoch"] - 1,
                 straggler["why"],
             )
+        if lists:  # a large world: its lists once, in a file of their own (metrics.jsonl is rewritten every epoch)
+            record["rank_lists_file"] = f"ranks/epoch-{record['epoch']}.json"
+            write_lists = functools.partial(write_rank_lists, self.run_dir, record["rank_lists_file"], lists)
+            self._write(record["rank_lists_file"], write_lists, again=write_lists)
         self.epochs[record["epoch"]] = record  # an epoch re-run after a restart replaces its record
         self.trained_here.add(record["epoch"])
         write_metrics = functools.partial(self.metrics_file.write, self.epochs)  # rewritten whole: also the retry
@@ -285,7 +291,8 @@ class RunRecorder:
     def _record_step(self, by_rank: dict[int, dict]) -> None:
         steps_file = self.steps_file
         assert steps_file is not None  # steps are recorded only with --log-every-steps, or a launched run's reports
-        record = aggregate_report(by_rank) if self.launched else aggregate_step(by_rank)
+        # a large world's per-rank lists are left out of steps.jsonl: their summaries name the ranks at each end
+        record, _ = split_per_rank(aggregate_report(by_rank) if self.launched else aggregate_step(by_rank))
         self._write("steps.jsonl", functools.partial(steps_file.add, record), again=steps_file.flush)
         if self.launched:
             self.console.show_report(record)

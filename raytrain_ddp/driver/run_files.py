@@ -29,6 +29,15 @@ class MetricsFile:
         write_atomic(self.path, "".join(json.dumps(epochs[e]) + "\n" for e in sorted(epochs)))
 
 
+def write_rank_lists(run_dir: RunPath, name: str, lists: dict[str, list]) -> None:
+    """A large world's per-rank lists of one epoch, in RUN_DIR/`name` (ranks/epoch-E.json): metrics.jsonl holds
+    their summaries."""
+    path = run_dir / name
+    if not isinstance(path, RemotePath):
+        path.parent.mkdir(exist_ok=True)
+    write_atomic(path, json.dumps(lists))
+
+
 class StepsFile:
     """RUN_DIR/steps.jsonl: appended to as each recorded step is in from every rank (a resumed run's kept).
 

@@ -12,7 +12,9 @@ val/loss, val/accuracy, throughput/samples_per_second, time/epoch_seconds, and p
 rank ``throughput/rank_{r}`` (samples_per_rank / seconds), ``data_wait/rank_{r}``,
 ``train_loss/rank_{r}``, ``steps/rank_{r}``, ``step_seconds/rank_{r}`` and
 ``gpu_memory_peak_gib/rank_{r}``. Any other ``NAME_per_rank`` number list becomes
-``NAME/rank_{r}``. A field a record lacks (or holds as a non-number) is skipped:
+``NAME/rank_{r}``. Above 64 ranks a record holds summaries instead of per-rank lists
+(epochs.split_per_rank): ``data_wait/min``, ``/median``, ``/p90``, ``/max`` and the like, no scalar per
+rank. A field a record lacks (or holds as a non-number) is skipped:
 logging must never stop a training run.
 
 Per recorded optimizer step, with ``global_step`` = the optimizer step: step/train_loss,
@@ -62,6 +64,9 @@ PER_RANK = {  # record field -> tag group; each rank r is GROUP/rank_{r}
 }
 
 
+SUMMARY_STATS = ("min", "median", "p90", "max")
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -95,6 +100,19 @@ def epoch_scalars(record: dict) -> dict[str, float]:
         for rank, value in enumerate(values):
             if _number(value) is not None:
                 out[f"{group}/rank_{rank}"] = float(value)
+    return out | _summary_scalars(record)
+
+
+def _summary_scalars(record: dict) -> dict[str, float]:
+    """A large world's record (epochs.split_per_rank): each per-rank figure's spread, not a scalar per rank."""
+    out = {}
+    for key, summary in record.items():
+        group = PER_RANK.get(key.replace("_rank_summary", "_per_rank"), key.removesuffix("_rank_summary"))
+        if not key.endswith("_rank_summary") or group is None:
+            continue
+        for stat in SUMMARY_STATS:
+            if (value := _number(summary.get(stat))) is not None:
+                out[f"{group}/{stat}"] = value
     return out
 
 
