@@ -45,6 +45,7 @@ from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
 from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError
 from raytrain_ddp.storage import RunPath
+from raytrain_ddp.summary import RunSummary
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
 
@@ -378,11 +379,12 @@ class Launcher:
         self.after_trainer(rc, run_dir, summary_before)
         return rc
 
-    def after_trainer(self, rc: int, run_dir: RunPath, summary_before: dict) -> None:
+    def after_trainer(self, rc: int, run_dir: RunPath, summary_before: RunSummary) -> None:
         """What the trainer's exit code (and its summary) says of the job: requeue it (without nodes it failed
         on), or not, each said in one line."""
         log.info("trainer exited with code %d; run directory: %s", rc, run_dir)
-        summary = self.summary(run_dir) if rc != 0 else {}  # read only when it has a failure to explain
+        # read only when it has a failure to explain
+        summary = self.summary(run_dir) if rc != 0 else RunSummary.missing()
         if unexplained := health.ended_without_summary(rc, summary_before, summary):
             log.error("%s", unexplained)
         failed_on = health.nodes_the_run_failed_on(summary, self.plan.nodes) if rc != 0 else []
@@ -411,12 +413,13 @@ class Launcher:
         return health.why_not_requeued(self.plan.restart_count, self.plan.max_excluding_requeues)
 
     @staticmethod
-    def summary(run_dir: RunPath) -> dict:
-        """The run's summary.json, local or on object storage ({} when there is none, or it does not read)."""
+    def summary(run_dir: RunPath) -> RunSummary:
+        """The run's summary.json, local or on object storage (RunSummary.missing() when there is none, or it does
+        not read)."""
         try:
-            return json.loads((run_dir / "summary.json").read_text())
+            return RunSummary.from_json(json.loads((run_dir / "summary.json").read_text()))
         except (OSError, ValueError):
-            return {}
+            return RunSummary.missing()
 
     def check_network(self, timeout: float) -> None:
         """Every node reaches every other (raytrain_ddp.cluster.node.network_check) within `timeout`, or

@@ -43,6 +43,7 @@ from raytrain_ddp.plugins import describe, import_root, load_object, make_task
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
 from raytrain_ddp.storage import RemotePath, RunPath, Spool, stored, uri_of
+from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.checkpoint import entry_point
 from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -79,34 +80,39 @@ class FitResult:
     """What a run left behind: its directory, summary and per-epoch records."""
 
     run_dir: RunPath
-    summary: dict
+    run_summary: RunSummary
     epochs: list[dict]
 
     @property
+    def summary(self) -> dict:
+        """What summary.json holds."""
+        return self.run_summary.to_json()
+
+    @property
     def ok(self) -> bool:
-        return self.summary["status"] == "finished"
+        return self.run_summary.status == "finished"
 
     @property
     def storage_full(self) -> bool:
         """Failed for a full disk or quota (or a read-only mount): free space, then running it again resumes it."""
-        return bool(self.summary.get("storage_full"))
+        return bool(self.run_summary.storage_full)
 
     @property
     def stopped(self) -> bool:
         """Stopped early on request (a signal) with epochs left: running it again resumes it."""
-        return self.summary["status"] == "stopped"
+        return self.run_summary.status == "stopped"
 
     @property
     def stop_reason(self) -> str | None:
-        return self.summary.get("stop_reason")
+        return self.run_summary.stop_reason
 
     @property
     def best_checkpoint(self) -> str | None:
-        return self.summary.get("best_checkpoint")
+        return self.run_summary.best_checkpoint
 
     @property
     def final_metrics(self) -> dict:
-        return self.summary.get("final_metrics") or {}
+        return self.run_summary.final_metrics or {}
 
 
 def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None:
@@ -416,32 +422,33 @@ class BuiltinWork:
     def describe(self, config: TrainConfig, workers: int) -> None:
         _describe_training(config, workers, self.plan.spec)
 
-    def interrupted_line(self, config: TrainConfig, summary: dict) -> str:
+    def interrupted_line(self, config: TrainConfig, summary: RunSummary) -> str:
         return (
-            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {config.epochs} epochs; the workers are "
+            f"interrupted (Ctrl-C) after {summary.epochs_completed} of {config.epochs} epochs; the workers are "
             "stopped; run the same command again to resume from the latest checkpoint "
             f"({config.run_dir / 'summary.json'})"
         )
 
-    def say_outcome(self, config: TrainConfig, summary: dict) -> None:
+    def say_outcome(self, config: TrainConfig, summary: RunSummary) -> None:
         """The last line of a run that stopped early or finished."""
-        if summary["status"] == "stopped":
+        if summary.status == "stopped":
             log.warning(
                 "Stopped early (%s) after %d of %d epochs; resume from %s by running the same command again",
-                summary["stop_reason"],
-                summary["epochs_completed"],
+                summary.stop_reason,
+                summary.epochs_completed,
                 config.epochs,
-                summary["resume_checkpoint"],
+                summary.resume_checkpoint,
             )
         else:
             log.info(
                 "Finished %d epochs in %.0fs; best checkpoint: %s",
-                summary["epochs_completed"],
-                summary["seconds"],
-                summary["best_checkpoint"],
+                summary.epochs_completed,
+                summary.seconds,
+                summary.best_checkpoint,
             )
 
     def summary_fields(self, recorder: RunRecorder) -> dict:
+        """The summary's fields this work sets its own way (RunSummary's names)."""
         return {}
 
     def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
@@ -492,12 +499,9 @@ def _failed_before_start(config: TrainConfig, error: str, gpu_failed_nodes: list
     """A run that failed on some nodes before any worker started: summary.json says so, naming them (what the
     Slurm launcher reads to requeue the job without them); what it said of earlier attempts stays."""
     log.error("Training failed: %s", error)
-    summary = {
-        **run_directory.read_summary(config.run_dir),
-        "status": "failed",
-        "error": error,
-        "gpu_failed_nodes": gpu_failed_nodes,
-    }
+    summary = run_directory.read_summary(config.run_dir).with_fields(
+        status="failed", error=error, gpu_failed_nodes=gpu_failed_nodes
+    )
     _write_summary(config.run_dir, summary)
     return FitResult(config.run_dir, summary, [])
 
@@ -557,8 +561,8 @@ def _train(
     try:
         result = _make_trainer(config, work, monitor, start_workers, work.data_kind).fit()
     except KeyboardInterrupt:  # Ctrl-C (Ray Train's own SIGINT handler is kept off: see _ray_compat.torch_trainer)
-        if recorder.cluster_gone:  # the watcher's, not the user's: nothing is left to stop
-            error = recorder.abort_reason
+        if recorder.verdict and recorder.verdict.cluster_gone:  # the watcher's, not the user's: nothing to stop
+            error = recorder.verdict.reason
         else:
             interrupted = True
             with interrupts_deferred():
@@ -566,7 +570,7 @@ def _train(
     except ray.train.TrainingFailedError as err:
         error, failure = describe_failure(err), err
     except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
-        error = recorder.abort_reason or f"the Ray Train controller died: {one_line(err)}"
+        error = recorder.verdict.reason if recorder.verdict else f"the Ray Train controller died: {one_line(err)}"
     except Exception as err:  # the controller itself failed: the run still ends with a summary
         progress_log.info("Ray Train failed", exc_info=True)  # the traceback in driver.log; the console: one line
         error, failure = describe_failure(err), err
@@ -597,7 +601,7 @@ def _train(
         summary = None
         try:
             summary = _summary(config, work, recorder, result, error, stop_reason, time.time() - started, interrupted)
-            summary["storage_full"] = full.record() if full else None
+            summary.storage_full = full.record() if full else None
         finally:  # the trackers end with the run's outcome (W&B's summary, MLflow's status)
             for sink in sinks:
                 sink.close(summary)
@@ -605,10 +609,10 @@ def _train(
     if interrupted:
         raise Interrupted(work.interrupted_line(config, summary))
     if error:
-        log.error("Training failed: %s", summary["error"])  # with the watchdog's verdict, if any
+        log.error("Training failed: %s", summary.error)  # with the watchdog's verdict, if any
     else:
         work.say_outcome(config, summary)
-        if summary["status"] == "finished":
+        if summary.status == "finished":
             _warn_if_profile_cut(config, run_dir, recorder)
     return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
 
@@ -646,7 +650,7 @@ def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRec
         )
 
 
-def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) -> None:
+def _finish(config: TrainConfig, run_dir: RunPath, summary: RunSummary, report: bool) -> None:
     """summary.json (whole, credentials masked), the link to Ray's logs, the report (not after a Ctrl-C):
     a report that fails is logged, never the run's outcome."""
     _write_summary(run_dir, summary)
@@ -663,14 +667,14 @@ def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) 
             )
 
 
-def _write_summary(run_dir: RunPath, summary: dict) -> None:
+def _write_summary(run_dir: RunPath, summary: RunSummary) -> None:
     """RUN_DIR/summary.json, whole, credentials masked; where its storage is full, one JSON line on stderr."""
     try:
         with storage_full_as("summary.json", run_dir):
-            write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")
+            write_atomic(run_dir / "summary.json", redact(json.dumps(summary.to_json(), indent=2)) + "\n")
     except StorageFull as full:
         log.warning("%s not written (%s); the summary follows as one JSON line", run_dir / "summary.json", full.reason)
-        print(redact(json.dumps(summary)), file=sys.stderr, flush=True)
+        print(redact(json.dumps(summary.to_json())), file=sys.stderr, flush=True)
 
 
 def _link_ray_logs(run_dir: RunPath) -> None:
@@ -703,7 +707,7 @@ def _summary(
     stop_reason: str | None,
     seconds: float,
     interrupted: bool,
-) -> dict:
+) -> RunSummary:
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
     metric, mode = config.checkpoint_ranking(work.data_kind)
@@ -721,36 +725,35 @@ def _summary(
     epochs_left = work.launched or max(recorder.epochs, default=0) < config.epochs
     stopped = not error and stop_reason is not None and epochs_left
     latest = result.checkpoint if result is not None else None
-    return {
-        "status": "failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
-        "error": error,
-        "stop_reason": stop_reason if stopped else None,
-        "resume_checkpoint": _entry_uri(config, latest.path) if stopped and latest else None,
-        "name": config.name,
-        "run_dir": uri_of(recorder.run_dir),
-        "epochs_completed": len(epochs),
-        "epochs_requested": config.epochs,
-        "world_size": recorder.world_size,  # of the last attempt: elastic runs (--min-workers) may shrink
-        "per_worker_batch_size": config.batch_size,
-        "global_batch_size": config.global_batch_for(recorder.world_size),
-        "workers": [recorder.workers[rank] for rank in sorted(recorder.workers)],
-        "restarts": recorder.restarts,
-        "hangs": recorder.hangs,
-        "stuck_nodes": recorder.liveness.stuck_nodes,
-        "lost_nodes": recorder.lost_nodes,
-        "final_metrics": epochs[-1] if epochs else None,
-        "best_checkpoint": best_checkpoint,
-        "best_metrics": best_metrics,
-        "checkpoints_ranked_by": f"{metric} ({mode})",
-        "latest_checkpoint": _entry_uri(config, latest.path) if latest else None,
-        "samples_per_second": _mean_of(epochs, "samples_per_second"),
-        "model_tflops_per_second": _mean_of(epochs, "model_tflops_per_second"),
-        "mfu": _mean_of(epochs, "mfu"),
-        "param_checksums": checksums,
-        "replicas_identical": None not in checksums and len(set(checksums)) == 1,
-        "seconds": round(seconds, 2),
-        **work.summary_fields(recorder),
-    }
+    return RunSummary(
+        status="failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
+        error=error,
+        stop_reason=stop_reason if stopped else None,
+        resume_checkpoint=_entry_uri(config, latest.path) if stopped and latest else None,
+        name=config.name,
+        run_dir=uri_of(recorder.run_dir),
+        epochs_completed=len(epochs),
+        epochs_requested=config.epochs,
+        world_size=recorder.world_size,
+        per_worker_batch_size=config.batch_size,
+        global_batch_size=config.global_batch_for(recorder.world_size),
+        workers=[recorder.workers[rank] for rank in sorted(recorder.workers)],
+        restarts=recorder.restarts,
+        hangs=recorder.hangs,
+        stuck_nodes=recorder.liveness.stuck_nodes,
+        lost_nodes=recorder.lost_nodes,
+        final_metrics=epochs[-1] if epochs else None,
+        best_checkpoint=best_checkpoint,
+        best_metrics=best_metrics,
+        checkpoints_ranked_by=f"{metric} ({mode})",
+        latest_checkpoint=_entry_uri(config, latest.path) if latest else None,
+        samples_per_second=_mean_of(epochs, "samples_per_second"),
+        model_tflops_per_second=_mean_of(epochs, "model_tflops_per_second"),
+        mfu=_mean_of(epochs, "mfu"),
+        param_checksums=checksums,
+        replicas_identical=None not in checksums and len(set(checksums)) == 1,
+        seconds=round(seconds, 2),
+    ).with_fields(**work.summary_fields(recorder))
 
 
 def _mean_of(epochs: list[dict], key: str) -> float | None:
