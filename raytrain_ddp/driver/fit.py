@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 import ray.data
 from ray import cloudpickle
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
@@ -529,6 +529,30 @@ def _choose_start(
         run_checkpoints.seed_new_run(config, start_state)
 
 
+@dataclass
+class _Observers:
+    """What follows a run while Ray Train runs it: the monitor actor the workers post to, the trackers, the
+    recorder, and the watcher thread that feeds the recorder (stopped by `stop`)."""
+
+    monitor: ray.actor.ActorHandle
+    sinks: list
+    recorder: RunRecorder
+    stop: threading.Event
+    watcher: threading.Thread
+
+
+@dataclass
+class _Outcome:
+    """How Ray Train's fit() ended: its result, or the error that ended it, or a Ctrl-C; and the stop request the
+    monitor held (None: none, or no monitor left to ask)."""
+
+    result: Result | None = None
+    error: str | None = None
+    failure: BaseException | None = None  # the exception behind `error`, when it is the workers' or Ray Train's
+    interrupted: bool = False
+    stop_reason: str | None = None
+
+
 def _train(
     config: TrainConfig,
     work,
@@ -539,6 +563,14 @@ def _train(
     stop_signal: StopSignal,
     lock: run_lock.RunLock,
 ) -> FitResult:
+    observers = _start_observers(config, work, run_dir, nodes, start_workers, lock)
+    outcome = _run_ray_train(config, work, start_workers, observers, stop_signal, lock)
+    return _conclude(config, work, run_dir, observers, outcome, started, stop_signal, lock)
+
+
+def _start_observers(
+    config: TrainConfig, work, run_dir: RunPath, nodes: list[dict], start_workers: int, lock: run_lock.RunLock
+) -> _Observers:
     monitor = start_monitor()
     sinks = (
         ([TensorBoardLog(run_dir)] if config.tensorboard else [])
@@ -556,65 +588,115 @@ def _train(
     watch_args = (monitor, recorder, stop, config, NodeWatch(nodes, ray.get_runtime_context().gcs_address), lock)
     watcher = threading.Thread(target=watch, args=watch_args, daemon=True)
     watcher.start()
-    error, result, interrupted, failure = None, None, False, None
-    stop_signal.forward_to(monitor)
+    return _Observers(monitor, sinks, recorder, stop, watcher)
+
+
+def _run_ray_train(
+    config: TrainConfig,
+    work,
+    start_workers: int,
+    observers: _Observers,
+    stop_signal: StopSignal,
+    lock: run_lock.RunLock,
+) -> _Outcome:
+    """Ray Train's fit() to its end, whichever way it ends; then the observers stopped."""
+    outcome, recorder = _Outcome(), observers.recorder
+    stop_signal.forward_to(observers.monitor)
     try:
-        result = _make_trainer(config, work, monitor, start_workers, work.data_kind).fit()
+        outcome.result = _make_trainer(config, work, observers.monitor, start_workers, work.data_kind).fit()
     except KeyboardInterrupt:  # Ctrl-C (Ray Train's own SIGINT handler is kept off: see _ray_compat.torch_trainer)
         if recorder.verdict and recorder.verdict.cluster_gone:  # the watcher's, not the user's: nothing to stop
-            error = recorder.verdict.reason
+            outcome.error = recorder.verdict.reason
         else:
-            interrupted = True
+            outcome.interrupted = True
             with interrupts_deferred():
                 _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
-        error, failure = describe_failure(err), err
+        outcome.error, outcome.failure = describe_failure(err), err
     except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
-        error = recorder.verdict.reason if recorder.verdict else f"the Ray Train controller died: {one_line(err)}"
+        outcome.error = (
+            recorder.verdict.reason if recorder.verdict else f"the Ray Train controller died: {one_line(err)}"
+        )
     except Exception as err:  # the controller itself failed: the run still ends with a summary
         progress_log.info("Ray Train failed", exc_info=True)  # the traceback in driver.log; the console: one line
-        error, failure = describe_failure(err), err
+        outcome.error, outcome.failure = describe_failure(err), err
     finally:
-        with interrupts_deferred():
-            stop_signal.training_over = True
-            stop.set()
-            watcher.join()
-            if not lock.taken_over.is_set():
-                recorder.flush_files()
-            stop_reason = None
-            if not recorder.cluster_gone:
-                stop_reason = ray.get(monitor.stop_requested.remote())
-                ray.kill(monitor)
+        outcome.stop_reason = _stop_observers(observers, stop_signal, lock)
+    return outcome
+
+
+def _stop_observers(observers: _Observers, stop_signal: StopSignal, lock: run_lock.RunLock) -> str | None:
+    """The watcher stopped after its last drain, the records written, the monitor ended; returns the stop request
+    the monitor held (a signal's reason), None when there was none or no cluster is left to ask."""
+    with interrupts_deferred():
+        stop_signal.training_over = True
+        observers.stop.set()
+        observers.watcher.join()
+        if not lock.taken_over.is_set():
+            observers.recorder.flush_files()
+        if observers.recorder.cluster_gone:
+            return None
+        stop_reason = ray.get(observers.monitor.stop_requested.remote())
+        ray.kill(observers.monitor)
+        return stop_reason
+
+
+def _conclude(
+    config: TrainConfig,
+    work,
+    run_dir: RunPath,
+    observers: _Observers,
+    outcome: _Outcome,
+    started: float,
+    stop_signal: StopSignal,
+    lock: run_lock.RunLock,
+) -> FitResult:
+    """summary.json, the trackers' outcome (W&B's summary, MLflow's status), the report, the run's last line."""
+    recorder, sinks = observers.recorder, observers.sinks
     if lock.taken_over.is_set():  # no summary, report or tracker outcome over the other driver's
         for sink in sinks:
             sink.close(None)
         raise RunTakenOver(lock.takeover_message())
     if stop_signal.reason:
         log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
-    ranks_full = storage_full_in(failure, run_dir) if failure else None
-    if ranks_full or recorder.unwritten:
-        _after_storage_full(run_dir, recorder)
-    if full := ranks_full or recorder.unwritten:  # the workers' first: their failure ended the run
-        error = str(full)
-
+    full = _storage_full(run_dir, recorder, outcome.failure)
+    error = str(full) if full else outcome.error  # the workers' first: their failure ended the run
     with interrupts_deferred():
         summary = None
         try:
-            summary = _summary(config, work, recorder, result, error, stop_reason, time.time() - started, interrupted)
+            seconds = time.time() - started
+            summary = _summary(
+                config, work, recorder, outcome.result, error, outcome.stop_reason, seconds, outcome.interrupted
+            )
             summary.storage_full = full.record() if full else None
-        finally:  # the trackers end with the run's outcome (W&B's summary, MLflow's status)
+        finally:
             for sink in sinks:
                 sink.close(summary)
-        _finish(config, run_dir, summary, report=not interrupted and not full and not work.launched)  # epochs
+        _finish(config, run_dir, summary, report=not outcome.interrupted and not full and not work.launched)  # epochs
+    _say_how_it_ended(config, work, run_dir, recorder, summary, outcome.interrupted)
+    return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
+
+
+def _storage_full(run_dir: RunPath, recorder: RunRecorder, failure: BaseException | None) -> StorageFull | None:
+    """The full storage that ended the run, or left records unwritten after one more try (None: none did)."""
+    ranks_full = storage_full_in(failure, run_dir) if failure else None
+    if ranks_full or recorder.unwritten:
+        _after_storage_full(run_dir, recorder)
+    return ranks_full or recorder.unwritten
+
+
+def _say_how_it_ended(
+    config: TrainConfig, work, run_dir: RunPath, recorder: RunRecorder, summary: RunSummary, interrupted: bool
+) -> None:
+    """The run's last line; a Ctrl-C raises Interrupted with it."""
     if interrupted:
         raise Interrupted(work.interrupted_line(config, summary))
-    if error:
+    if summary.error:
         log.error("Training failed: %s", summary.error)  # with the watchdog's verdict, if any
     else:
         work.say_outcome(config, summary)
         if summary.status == "finished":
             _warn_if_profile_cut(config, run_dir, recorder)
-    return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
 
 
 def _after_storage_full(run_dir: RunPath, recorder: RunRecorder) -> None:
