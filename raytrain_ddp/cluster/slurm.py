@@ -197,6 +197,17 @@ class Launcher:
 
     # ---------------------------------------------------------------- the job
     def run(self) -> int:
+        chosen = self.check_environment()
+        where = self.plan_job(chosen, self.job_nodes())
+        self.announce(where)
+        if os.environ.get("RAYTRAIN_DRY_RUN") == "1":
+            self.say_dry_run()
+            return 0
+        return self.bring_up_train_and_clean_up(chosen)
+
+    def check_environment(self) -> dict:
+        """Inside a Slurm job, with trainer flags that parse and Ray importable (with this job's token): the
+        settings the flags choose; else LaunchError."""
         env = os.environ
         if not env.get("SLURM_JOB_ID"):
             raise LaunchError(
@@ -215,23 +226,30 @@ class Launcher:
         os.environ["RAY_AUTH_TOKEN_PATH"] = f"{planning.job_dir(env, str(Path.home()))}/auth_token"
         os.environ.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
         try:
-            import ray
+            import ray  # noqa: F401  (whether it imports, once the token is set: announce reads it)
         except ImportError:
             raise LaunchError(
                 f"'{sys.executable}' cannot import ray; install the project into that environment", EXIT_BAD_INPUT
             ) from None
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # compute nodes rarely reach the internet
+        return chosen
 
-        listed = subprocess.run(
-            ["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")], capture_output=True, text=True
-        )
+    @staticmethod
+    def job_nodes() -> list[str]:
+        """The job's nodes, as scontrol names them; the first is the head."""
+        nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+        listed = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
         nodes = listed.stdout.split()
         if listed.returncode or not nodes:
             raise LaunchError(
-                f"scontrol show hostnames {env.get('SLURM_JOB_NODELIST', '')!r} failed: "
-                f"{listed.stderr.strip() or 'no nodes'}",
-                EXIT_BRINGUP,
+                f"scontrol show hostnames {nodelist!r} failed: {listed.stderr.strip() or 'no nodes'}", EXIT_BRINGUP
             )
+        return nodes
+
+    def plan_job(self, chosen: dict, nodes: list[str]) -> planning.RunLocation:
+        """The job's plan (self.plan: head, ports, resources per node) and its run's location, with the run's
+        request checked against the nodes where it can be (RAYTRAIN_PRECHECK)."""
+        env = os.environ
         try:
             head_ip = head_address(env, nodes)
         except LaunchError as err:
@@ -266,17 +284,23 @@ class Launcher:
                 planning.precheck(chosen, shape, nodes, plan.cpus, plan.gpus, plan.gpus_known)
             except ConfigError as err:
                 raise LaunchError(str(err), EXIT_BAD_INPUT) from None
+        return where
+
+    def announce(self, where: planning.RunLocation) -> None:
+        """The job's plan in the job's log: what a failed job's first lines must tell."""
+        import ray
 
         import raytrain_ddp
 
+        plan = self.plan
         log.info(
             "job %d (restart count %d): %d node(s): %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
-            job_id,
+            plan.job_id,
             plan.restart_count,
-            len(nodes),
-            " ".join(nodes),
+            len(plan.nodes),
+            " ".join(plan.nodes),
             plan.head,
-            head_ip,
+            plan.head_ip,
             ray.__version__,
             sys.executable,
             Path(raytrain_ddp.__file__).parent,
@@ -286,20 +310,27 @@ class Launcher:
             " ".join(map(str, plan.cpus)),
             plan.gpus,
         )
-        log.info("ports: gcs %d, dashboard %d, client %d, agent %d", *ports.all())
+        log.info("ports: gcs %d, dashboard %d, client %d, agent %d", *plan.ports.all())
         log.info("run directory: %s/%s", where.storage, where.name)
-        if env.get("RAYTRAIN_DRY_RUN") == "1":
-            gpu = " --use-gpu" if plan.gpus > 0 else ""
-            log.info(
-                "dry run: would run %s -u -m %s --address %s [--num-workers from cluster]%s %s",
-                sys.executable,
-                plan.module,
-                plan.head_address,
-                gpu,
-                " ".join(self.args),
-            )
-            log.info("dry run: expected workers %d", plan.gpus * len(nodes) if plan.gpus > 0 else len(nodes))
-            return 0
+
+    def say_dry_run(self) -> None:
+        """RAYTRAIN_DRY_RUN=1: what the job would run, and on how many workers, with nothing started."""
+        plan = self.plan
+        gpu = " --use-gpu" if plan.gpus > 0 else ""
+        log.info(
+            "dry run: would run %s -u -m %s --address %s [--num-workers from cluster]%s %s",
+            sys.executable,
+            plan.module,
+            plan.head_address,
+            gpu,
+            " ".join(self.args),
+        )
+        nodes = len(plan.nodes)
+        log.info("dry run: expected workers %d", plan.gpus * nodes if plan.gpus > 0 else nodes)
+
+    def bring_up_train_and_clean_up(self, chosen: dict) -> int:
+        """The job's exit code: the trainer's, or the launcher's own for a failed bring-up or a stop; every
+        node's Ray stopped whichever it is."""
         rc = 1
         try:
             rc = self.bring_up_and_train(chosen)
