@@ -36,8 +36,9 @@ CHECKPOINT_FORMATS = ("auto", "full", "sharded")  # auto: validate() makes it sh
 
 def _flag(help: str, **extra: Any) -> dict:
     """A field's metadata: its --help text; `choices` and `metavar` for argparse; the bounds validate() checks:
-    `maximum` (beyond it a typo, not a run), `minimum` (included), `above` and `below` (excluded), `choices`,
-    `builtins` (the names known, or else an import path), `import_path` (the form it must take, as an example)."""
+    `maximum` (beyond it a typo, not a run), `minimum` (included), `above` (excluded), `below` (excluded, with
+    `minimum`: one interval), `choices`, `builtins` (the names known, or else an import path), `import_path` (the
+    form it must take, as an example)."""
     return {"help": help, **extra}
 
 
