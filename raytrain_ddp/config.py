@@ -14,6 +14,7 @@ import math
 import os
 import re
 import tomllib
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ CHECKPOINT_FORMATS = ("auto", "full", "sharded")  # auto: validate() makes it sh
 
 
 def _flag(help: str, **extra: Any) -> dict:
+    """A field's metadata: its --help text; `choices` and `metavar` for argparse; the bounds validate() checks:
+    `maximum` (beyond it a typo, not a run), `minimum` (included), `above` (excluded), `below` (excluded, with
+    `minimum`: one interval), `choices`, `builtins` (the names known, or else an import path), `import_path` (the
+    form it must take, as an example)."""
     return {"help": help, **extra}
 
 
@@ -42,16 +47,21 @@ class TrainConfig:
     """A training run, fully described. Defaults are the built-in first run."""
 
     # Cluster and workers
-    num_workers: int = field(default=2, metadata=_flag("training workers (one per GPU with --use-gpu)"))
+    num_workers: int = field(
+        default=2, metadata=_flag("training workers (one per GPU with --use-gpu)", minimum=1, maximum=100_000)
+    )
     use_gpu: bool = field(default=False, metadata=_flag("one GPU per worker, NCCL; CPU and gloo otherwise"))
     min_workers: int | None = field(
         default=None,
         metadata=_flag(
             "elastic: start and keep training with as few as this many workers when workers or nodes are lost "
-            "(Ray Train's num_workers=(min, max)); the global batch shrinks with them"
+            "(Ray Train's num_workers=(min, max)); the global batch shrinks with them",
+            maximum=100_000,  # at least 1 and at most --num-workers: checked with it
         ),
     )
-    cpus_per_worker: float = field(default=1.0, metadata=_flag("CPUs reserved for each training worker"))
+    cpus_per_worker: float = field(
+        default=1.0, metadata=_flag("CPUs reserved for each training worker", above=0, maximum=1024)
+    )
     address: str | None = field(
         default=None,
         metadata=_flag("Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray)"),
@@ -61,21 +71,24 @@ class TrainConfig:
         default="cnn",
         metadata=_flag(
             f"model: {', '.join(BUILTIN_MODELS)}, or an import path pkg.module:build "
-            "(a callable taking the config, returning an nn.Module)"
+            "(a callable taking the config, returning an nn.Module)",
+            builtins=BUILTIN_MODELS,
         ),
     )
     dataset: str = field(
         default="synthetic",
         metadata=_flag(
             f"dataset when --data is not given: {', '.join(BUILTIN_DATASETS)}, or an import path pkg.module:build "
-            "(a callable taking the config, returning {'train': ray.data.Dataset, 'val': ...} with columns x, y)"
+            "(a callable taking the config, returning {'train': ray.data.Dataset, 'val': ...} with columns x, y)",
+            builtins=BUILTIN_DATASETS,
         ),
     )
     loss: str | None = field(
         default=None,
         metadata=_flag(
             "loss as an import path pkg.module:fn, called as fn(outputs, targets) "
-            "(default: cross-entropy over the last dimension)"
+            "(default: cross-entropy over the last dimension)",
+            import_path="pkg.module:fn",
         ),
     )
     task: str | None = field(
@@ -83,7 +96,8 @@ class TrainConfig:
         metadata=_flag(
             "your own step in the built-in loop, as an import path pkg.module:Task: a class (made with no arguments, "
             "or with the config) with training_step(model, batch) -> loss and validation_step(model, batch) -> "
-            "{name: sum over the batch, 'count': rows} (see docs/launch.md)"
+            "{name: sum over the batch, 'count': rows} (see docs/launch.md)",
+            import_path="pkg.module:Task",
         ),
     )
     data: str | None = field(
@@ -101,15 +115,21 @@ class TrainConfig:
     feature_columns: str | None = field(
         default=None, metadata=_flag("comma-separated numeric columns for tabular data")
     )
-    train_size: int = field(default=8192, metadata=_flag("rows of the built-in training set"))
-    val_size: int = field(default=2048, metadata=_flag("rows of the built-in validation set"))
+    train_size: int = field(default=8192, metadata=_flag("rows of the built-in training set", minimum=1, maximum=10**9))
+    val_size: int = field(default=2048, metadata=_flag("rows of the built-in validation set", minimum=1, maximum=10**9))
     # Optimisation
-    epochs: int = field(default=5, metadata=_flag("passes over the training set"))
+    epochs: int = field(default=5, metadata=_flag("passes over the training set", minimum=1, maximum=1_000_000))
     batch_size: int = field(
-        default=64, metadata=_flag("per-worker batch; the global batch is this x --grad-accum x --num-workers")
+        default=64,
+        metadata=_flag(
+            "per-worker batch; the global batch is this x --grad-accum x --num-workers", minimum=1, maximum=2**24
+        ),
     )
     grad_accum: int = field(
-        default=1, metadata=_flag("micro-batches per optimizer step; gradients are all-reduced once per step")
+        default=1,
+        metadata=_flag(
+            "micro-batches per optimizer step; gradients are all-reduced once per step", minimum=1, maximum=100_000
+        ),
     )
     strategy: str = field(
         default="ddp",
@@ -132,14 +152,18 @@ class TrainConfig:
     peak_tflops: float | None = field(
         default=None,
         metadata=_flag(
-            "the device's peak dense TFLOP/s, for MFU (default: a table of known GPUs' bf16 peaks; none on CPU)"
+            "the device's peak dense TFLOP/s, for MFU (default: a table of known GPUs' bf16 peaks; none on CPU)",
+            above=0,
+            maximum=1e6,  # a thousand petaFLOP/s per device
         ),
     )
     tf32: bool = field(
         default=True,
         metadata=_flag("TF32 tensor cores for fp32 matmuls and convolutions on GPU (--no-tf32: full fp32)"),
     )
-    lr: float = field(default=0.02, metadata=_flag("learning rate (for the global batch, unless --scale-lr)"))
+    lr: float = field(
+        default=0.02, metadata=_flag("learning rate (for the global batch, unless --scale-lr)", above=0, maximum=1e12)
+    )
     scale_lr: bool = field(
         default=False,
         metadata=_flag("linear scaling: multiply --lr by the workers x --grad-accum (lr given for one worker's batch)"),
@@ -151,19 +175,28 @@ class TrainConfig:
             choices=LR_SCHEDULES,
         ),
     )
-    warmup_epochs: float = field(default=0.0, metadata=_flag("epochs of linear learning-rate warm-up from 0"))
-    clip_grad_norm: float | None = field(default=None, metadata=_flag("clip the global gradient norm to this value"))
+    warmup_epochs: float = field(
+        default=0.0, metadata=_flag("epochs of linear learning-rate warm-up from 0", minimum=0, maximum=1_000_000)
+    )
+    clip_grad_norm: float | None = field(
+        default=None, metadata=_flag("clip the global gradient norm to this value", above=0, maximum=1e9)
+    )
     optimizer: str = field(default="sgd", metadata=_flag("optimizer", choices=OPTIMIZERS))
-    momentum: float = field(default=0.9, metadata=_flag("SGD momentum"))
-    weight_decay: float = field(default=5e-4, metadata=_flag("weight decay"))
-    seed: int = field(default=0, metadata=_flag("seed for data generation, shuffling and model init"))
+    momentum: float = field(default=0.9, metadata=_flag("SGD momentum", minimum=0, below=1, maximum=1.0))
+    weight_decay: float = field(default=5e-4, metadata=_flag("weight decay", minimum=0, maximum=10.0))
+    seed: int = field(
+        default=0, metadata=_flag("seed for data generation, shuffling and model init", minimum=0, maximum=2**32 - 1)
+    )
     # Run directory and checkpoints
     storage_path: str = field(default="runs", metadata=_flag("where run directories go (shared storage on a cluster)"))
     name: str | None = field(
         default=None, metadata=_flag("run name; the run directory is STORAGE_PATH/NAME (default: a timestamp)")
     )
     num_to_keep: int = field(
-        default=2, metadata=_flag("best checkpoints to keep, by --checkpoint-metric (the latest is kept too)")
+        default=2,
+        metadata=_flag(
+            "best checkpoints to keep, by --checkpoint-metric (the latest is kept too)", minimum=1, maximum=100_000
+        ),
     )
     checkpoint_metric: str | None = field(
         default=None,
@@ -184,14 +217,18 @@ class TrainConfig:
         default=0,
         metadata=_flag(
             "also checkpoint every N optimizer steps inside an epoch, so a restart loses at most N steps "
-            "(0: only at the end of each epoch)"
+            "(0: only at the end of each epoch)",
+            minimum=0,
+            maximum=10**9,
         ),
     )
     checkpoint_every_minutes: float = field(
         default=0.0,
         metadata=_flag(
             "also checkpoint once M minutes have passed since the last checkpoint, at the next step the ranks "
-            "agree on (0: off)"
+            "agree on (0: off)",
+            minimum=0,
+            maximum=7 * 1440,
         ),
     )
     checkpoint_format: str = field(
@@ -212,23 +249,32 @@ class TrainConfig:
         ),
     )
     # Robustness
-    max_failures: int = field(default=2, metadata=_flag("worker-group restarts allowed before the run fails"))
+    max_failures: int = field(
+        default=2, metadata=_flag("worker-group restarts allowed before the run fails", minimum=0, maximum=1000)
+    )
     capacity_wait_s: int = field(
         default=300,
         metadata=_flag(
             "after a node or worker is lost, seconds to wait for capacity for the workers (--min-workers with elastic) "
-            "to come back before the run fails, naming what was lost"
+            "to come back before the run fails, naming what was lost",
+            minimum=1,
+            maximum=7 * 86400,
         ),
     )
     skip_nonfinite: bool = field(
         default=False,
         metadata=_flag("skip optimizer steps whose gradients are NaN/inf (all ranks agree) instead of stopping"),
     )
-    collective_timeout_s: int = field(default=600, metadata=_flag("seconds a DDP collective may wait before it fails"))
+    collective_timeout_s: int = field(
+        default=600,
+        metadata=_flag("seconds a DDP collective may wait before it fails", minimum=1, maximum=7 * 86400),
+    )
     hang_timeout_s: int = field(
         default=300,
         metadata=_flag(
-            "seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers"
+            "seconds without progress from any rank before the watchdog names the stuck rank and restarts the workers",
+            minimum=1,
+            maximum=7 * 86400,
         ),
     )
     record_sample_ids: bool = field(
@@ -238,7 +284,9 @@ class TrainConfig:
     log_every_steps: int = field(
         default=10,
         metadata=_flag(
-            "record every N optimizer steps in RUN_DIR/steps.jsonl (loss over ranks, lr, samples/s); 0: off"
+            "record every N optimizer steps in RUN_DIR/steps.jsonl (loss over ranks, lr, samples/s); 0: off",
+            minimum=0,
+            maximum=10**9,
         ),
     )
     profile_steps: str | None = field(
@@ -324,129 +372,84 @@ class TrainConfig:
 
     # --------------------------------------------------------------- validation
     def validate(self) -> TrainConfig:
-        """Check every value; fill in the run name. Raises ConfigError."""
-        _check_values(self)
-        _at_least("--num-workers", self.num_workers, 1)
-        _at_least("--batch-size", self.batch_size, 1)
-        _at_least("--epochs", self.epochs, 1)
-        _at_least("--grad-accum", self.grad_accum, 1)
-        _at_least("--train-size", self.train_size, 1)
-        _at_least("--val-size", self.val_size, 1)
-        _at_least("--num-to-keep", self.num_to_keep, 1)
-        _at_least("--checkpoint-every-steps", self.checkpoint_every_steps, 0)
-        if not self.checkpoint_every_minutes >= 0:
-            raise ConfigError(f"--checkpoint-every-minutes must be >= 0, got {self.checkpoint_every_minutes}")
-        _at_least("--max-failures", self.max_failures, 0)
-        _at_least("--collective-timeout-s", self.collective_timeout_s, 1)
-        _at_least("--hang-timeout-s", self.hang_timeout_s, 1)
-        _at_least("--capacity-wait-s", self.capacity_wait_s, 1)
-        _at_least("--log-every-steps", self.log_every_steps, 0)
+        """Check every value; fill in the defaults that depend on other fields (the run name too). Raises
+        ConfigError."""
+        for f in fields(self):
+            _check_field(f, getattr(self, f.name))
+        self._check_together()
+        self._resolve_defaults()
+        _check_name(self.name)
+        self.storage_path = _check_storage_path(self.storage_path)
+        return self
+
+    def _check_together(self) -> None:
+        """What a field's own bounds cannot say: values checked against other fields (and --profile-steps' form)."""
         if self.min_workers is not None and not 1 <= self.min_workers <= self.num_workers:
             raise ConfigError(
                 f"--min-workers must be between 1 and --num-workers ({self.num_workers}), got {self.min_workers}"
             )
-        if not self.cpus_per_worker > 0:
-            raise ConfigError(f"--cpus-per-worker must be > 0, got {self.cpus_per_worker}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if not self.warmup_epochs >= 0:
-            raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
-        for flag_name, value, allowed in (
-            ("--model", self.model, BUILTIN_MODELS),
-            ("--dataset", self.dataset, BUILTIN_DATASETS),
-            ("--optimizer", self.optimizer, OPTIMIZERS),
-            ("--strategy", self.strategy, STRATEGIES),
-            ("--precision", self.precision, PRECISIONS),
-            ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
-            ("--checkpoint-metric", self._checked_metric(), VALIDATION_METRICS),
-            ("--checkpoint-mode", self.checkpoint_mode or CHECKPOINT_MODES[0], CHECKPOINT_MODES),
-            ("--checkpoint-format", self.checkpoint_format, CHECKPOINT_FORMATS),
-        ):
-            if value not in allowed and not (flag_name in ("--model", "--dataset") and is_import_path(value)):
-                raise ConfigError(
-                    f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}"
-                    + (" or an import path pkg.module:name" if flag_name in ("--model", "--dataset") else "")
-                )
-        if self.loss is not None and not is_import_path(self.loss):
-            raise ConfigError(f"--loss {self.loss!r} is not an import path like pkg.module:fn")
-        if self.task is not None and not is_import_path(self.task):
-            raise ConfigError(f"--task {self.task!r} is not an import path like pkg.module:Task")
+        if (metric := self._checked_metric()) not in VALIDATION_METRICS:
+            raise ConfigError(_unknown("--checkpoint-metric", metric, VALIDATION_METRICS))
         _check_profile_steps(self.profile_steps)
         if self.data and (self.train_data or self.val_data):
             raise ConfigError("give either --data DIR or --train-data/--val-data, not both")
         if bool(self.train_data) != bool(self.val_data):
             raise ConfigError("--train-data and --val-data go together")
         _check_wandb_names(self.wandb_project, self.wandb_entity)
-        if self.checkpoint_format == "auto":  # the one place the default is decided
+
+    def _resolve_defaults(self) -> None:
+        """The one place the defaults that depend on other fields are decided."""
+        if self.checkpoint_format == "auto":
             self.checkpoint_format = "sharded" if self.strategy == "fsdp" else "full"
         if self.name is None:
             self.name = "run-" + _timestamp()
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
-            raise ConfigError(f"--name {self.name!r} may hold only letters, digits, '.', '_' and '-'")
-        if len(self.name) > MAX_NAME_LENGTH:
-            raise ConfigError(
-                f"--name is {len(self.name)} characters long; at most {MAX_NAME_LENGTH} fit a file name "
-                "beside what Ray Train appends"
-            )
-        self.storage_path = _check_storage_path(self.storage_path)
-        return self
 
 
-# The largest value each numeric flag may take: beyond it a typo, not a run (the smallest is checked in validate()).
 # A run name becomes directory and file names (NAME_MAX is 255 bytes; Ray Train adds its own suffixes).
 MAX_NAME_LENGTH = 200
 WANDB_NAME_LENGTH = 128  # W&B's limit for project and entity names
-UPPER_LIMITS = {
-    "num_workers": 100_000,
-    "min_workers": 100_000,
-    "cpus_per_worker": 1024,
-    "train_size": 10**9,
-    "val_size": 10**9,
-    "epochs": 1_000_000,
-    "batch_size": 2**24,
-    "grad_accum": 100_000,
-    "lr": 1e12,
-    "warmup_epochs": 1_000_000,
-    "clip_grad_norm": 1e9,
-    "peak_tflops": 1e6,  # a thousand petaFLOP/s per device
-    "momentum": 1.0,
-    "weight_decay": 10.0,
-    "seed": 2**32 - 1,
-    "num_to_keep": 100_000,
-    "checkpoint_every_steps": 10**9,
-    "checkpoint_every_minutes": 7 * 1440,
-    "max_failures": 1000,
-    "capacity_wait_s": 7 * 86400,
-    "collective_timeout_s": 7 * 86400,
-    "hang_timeout_s": 7 * 86400,
-    "log_every_steps": 10**9,
-}
 
 
-def _check_values(config: TrainConfig) -> None:
-    """Numbers finite and within limits (NaN would pass every `<` test), strings not empty."""
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if value is None or f.name not in UPPER_LIMITS:
-            continue
-        flag_name = "--" + f.name.replace("_", "-")
-        if not math.isfinite(value):
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    """One field's value within the bounds its metadata gives (None: the field's default, decided later)."""
+    if value is None:
+        return
+    bounds, flag_name, kind = f.metadata, "--" + f.name.replace("_", "-"), field_type(f)
+    if kind in (int, float):
+        if not math.isfinite(value):  # NaN would pass every `<` test
             raise ConfigError(f"{flag_name} must be a finite number, got {value}")
-        if value > UPPER_LIMITS[f.name]:
-            raise ConfigError(f"{flag_name} must be at most {UPPER_LIMITS[f.name]:g}, got {value:g}")
-    for f in fields(config):
-        if _field_type(f) is str and getattr(config, f.name) == "":
-            raise ConfigError(f"--{f.name.replace('_', '-')} must not be empty")
-    if config.seed < 0:
-        raise ConfigError(f"--seed must be at least 0, got {config.seed}")
-    if not 0 <= config.momentum < 1:
-        raise ConfigError(f"--momentum must be in [0, 1), got {config.momentum}")
-    if not config.weight_decay >= 0:
-        raise ConfigError(f"--weight-decay must be >= 0, got {config.weight_decay}")
+        if "maximum" in bounds and value > bounds["maximum"]:
+            raise ConfigError(f"{flag_name} must be at most {bounds['maximum']:g}, got {value:g}")
+        if "below" in bounds and not bounds["minimum"] <= value < bounds["below"]:
+            raise ConfigError(f"{flag_name} must be in [{bounds['minimum']}, {bounds['below']}), got {value}")
+        if "minimum" in bounds and not value >= bounds["minimum"]:
+            at_least = "at least" if kind is int else ">="
+            raise ConfigError(f"{flag_name} must be {at_least} {bounds['minimum']}, got {value}")
+        if "above" in bounds and not value > bounds["above"]:
+            raise ConfigError(f"{flag_name} must be > {bounds['above']}, got {value}")
+    if kind is str:
+        if value == "":
+            raise ConfigError(f"{flag_name} must not be empty")
+        if "choices" in bounds and value not in bounds["choices"]:
+            raise ConfigError(_unknown(flag_name, value, bounds["choices"]))
+        if "builtins" in bounds and value not in bounds["builtins"] and not is_import_path(value):
+            raise ConfigError(_unknown(flag_name, value, bounds["builtins"]) + " or an import path pkg.module:name")
+        if "import_path" in bounds and not is_import_path(value):
+            raise ConfigError(f"{flag_name} {value!r} is not an import path like {bounds['import_path']}")
+
+
+def _unknown(flag_name: str, value: str, allowed: tuple[str, ...]) -> str:
+    return f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}"
+
+
+def _check_name(name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ConfigError(f"--name {name!r} may hold only letters, digits, '.', '_' and '-'")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ConfigError(
+            f"--name is {len(name)} characters long; at most {MAX_NAME_LENGTH} fit a file name "
+            "beside what Ray Train appends"
+        )
 
 
 def _check_wandb_names(project: str | None, entity: str | None) -> None:
@@ -493,11 +496,6 @@ def is_import_path(text: str) -> bool:
     return re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", text) is not None
 
 
-def _at_least(flag_name: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ConfigError(f"{flag_name} must be at least {minimum}, got {value}")
-
-
 def _timestamp() -> str:
     """UTC to the millisecond and a random suffix: two runs started together never share a default name."""
     import datetime
@@ -538,7 +536,7 @@ def load_toml(path: str) -> dict:
     for key, value in values.items():
         if key not in known:
             raise ConfigError(f"--config {path!r}: unknown key {key!r}")
-        expected = _field_type(known[key])
+        expected = field_type(known[key])
         if not _fits(value, expected):
             raise ConfigError(f"--config {path!r}: {key} must be {expected.__name__}, got {value!r}")
     return values
@@ -560,13 +558,18 @@ def to_toml(config: TrainConfig, only: tuple[str, ...] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _field_type(f: dataclasses.Field) -> type:
+def field_type(f: dataclasses.Field) -> type:
     """The plain type of a field: int, float, bool or str (Optional is unwrapped)."""
-    annotation = str(f.type)
-    for candidate in (bool, int, float, str):
-        if candidate.__name__ in annotation:
-            return candidate
-    raise TypeError(f"unsupported config field type {annotation}")
+    return _FIELD_TYPES[f.name]
+
+
+def _plain_type(hint: Any) -> type:
+    """int for `int` and `int | None`: the one type a field holds besides None."""
+    [kind] = [arg for arg in typing.get_args(hint) if arg is not type(None)] or [hint]
+    return kind
+
+
+_FIELD_TYPES = {name: _plain_type(hint) for name, hint in typing.get_type_hints(TrainConfig).items()}
 
 
 def _fits(value: Any, expected: type) -> bool:

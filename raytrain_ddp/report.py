@@ -30,6 +30,7 @@ from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plur
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
 from raytrain_ddp.storage import RunPath, location
+from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.profile import PROFILE_DIR, TOP_OPS_GLOB
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class ReportError(Exception):
 @dataclass
 class Run:
     run_dir: RunPath
-    summary: dict  # {} when summary.json is missing (still running, or the driver died)
+    summary: RunSummary  # RunSummary.missing() without summary.json (still running, or the driver died)
     epochs: list[dict]  # one record per epoch, sorted, last record wins for a repeated epoch
     config: dict | None  # None when config.toml is missing or unreadable
     notes: list[str]  # problems met while reading, shown on the page
@@ -59,12 +60,12 @@ class Run:
 
     @property
     def status(self) -> str:
-        return self.summary.get("status") or "unknown"
+        return self.summary.status or "unknown"
 
     @property
     def world_size(self) -> int:
-        if self.summary.get("world_size"):
-            return int(self.summary["world_size"])
+        if self.summary.world_size:
+            return int(self.summary.world_size)
         lengths = [
             len(v) for rec in self.epochs for k, v in rec.items() if k.endswith("_per_rank") and isinstance(v, list)
         ]
@@ -100,12 +101,12 @@ def load_run(run_dir: RunPath | str) -> Run:
     summary = (
         _read_optional(
             summary_path,
-            json.loads,
+            lambda text: RunSummary.from_json(json.loads(text)),
             notes,
             "showing metrics only",
             "the run is still going, or its driver stopped before writing one",
         )
-        or {}
+        or RunSummary.missing()
     )
 
     epochs = _read_records(metrics_path, "epoch", notes)
@@ -509,28 +510,28 @@ def _metrics_text(metrics: dict | None) -> str:
 
 def _summary_html(run: Run) -> str:
     s, status = run.summary, run.status
-    name = s.get("name") or run.run_dir.name
+    name = s.name or run.run_dir.name
     badge = status if status in ("finished", "failed") else "unknown"
     head = [
         f'<h1>Run {_e(name)}<span class="badge {badge}">{_e(status)}</span></h1>',
-        f'<div class="sub mono">{_e(s.get("run_dir") or run.run_dir)}</div>',
+        f'<div class="sub mono">{_e(s.run_dir or run.run_dir)}</div>',
     ]
-    if s.get("error"):
-        head.append(f'<div class="alert">Error: {_e(s["error"])}</div>')
+    if s.error:
+        head.append(f'<div class="alert">Error: {_e(s.error)}</div>')
     if status == "failed" and not run.epochs:
         head.append('<div class="note">The run failed before finishing any epoch: there are no metrics to plot.</div>')
     for note in run.notes:
         head.append(f'<div class="note">{_e(note)}</div>')
 
     facts: list[tuple[str, str]] = []
-    done = s.get("epochs_completed", len(run.epochs))
-    requested = s.get("epochs_requested") or (run.config or {}).get("epochs")
+    done = s.epochs_completed if s.epochs_completed is not None else len(run.epochs)
+    requested = s.epochs_requested or (run.config or {}).get("epochs")
     facts.append(("Status", _e(status)))
     facts.append(("Epochs", f"{_e(done)} of {_e(requested)} completed" if requested else f"{_e(done)} completed"))
     world = run.world_size
     facts.append(("World size", _e(plural(world, "worker")) if world else DASH))
-    per_worker = s.get("per_worker_batch_size") or (run.config or {}).get("batch_size")
-    global_batch = s.get("global_batch_size") or (per_worker * world if per_worker and world else None)
+    per_worker = s.per_worker_batch_size or (run.config or {}).get("batch_size")
+    global_batch = s.global_batch_size or (per_worker * world if per_worker and world else None)
     workers = _e(plural(world, "worker")) if world else f"{DASH} workers"
     facts.append(
         (
@@ -541,31 +542,31 @@ def _summary_html(run: Run) -> str:
             "what DDP trains with)</span>",
         )
     )
-    final = s.get("final_metrics") or (run.epochs[-1] if run.epochs else None)
+    final = s.final_metrics or (run.epochs[-1] if run.epochs else None)
     facts.append(("Final metrics", _metrics_text(final)))
-    facts.append(("Best metrics", _metrics_text(s.get("best_metrics"))))
+    facts.append(("Best metrics", _metrics_text(s.best_metrics)))
     facts.append(
         (
             "Best checkpoint",
-            f'<span class="mono">{_e(s["best_checkpoint"])}</span>' if s.get("best_checkpoint") else DASH,
+            f'<span class="mono">{_e(s.best_checkpoint)}</span>' if s.best_checkpoint else DASH,
         )
     )
-    sps = s.get("samples_per_second")
+    sps = s.samples_per_second
     facts.append(("Throughput", f"{_fmt(sps, ',.0f')} samples/s over the whole run" if sps is not None else DASH))
-    facts.append(("Restarts", _e(s.get("restarts", DASH))))
-    if s.get("lost_nodes"):
+    facts.append(("Restarts", _e(s.restarts if s.restarts is not None else DASH)))
+    if s.lost_nodes:
         facts.append(
             (
                 "Lost nodes",
                 _e(
                     "; ".join(
                         f"{n['hostname']} ({n['node_ip']}), rank(s) {', '.join(map(str, n['ranks'])) or 'none'}"
-                        for n in s["lost_nodes"]
+                        for n in s.lost_nodes
                     )
                 ),
             )
         )
-    checksums = s.get("param_checksums") or []
+    checksums = s.param_checksums or []
     reported = [c for c in checksums if c]
     if checksums and len(reported) < len(checksums):  # a failed run: some ranks never got to report
         same_text = (
@@ -574,15 +575,15 @@ def _summary_html(run: Run) -> str:
         )
     else:
         distinct = len(set(reported))
-        same_text = _yes_no(s.get("replicas_identical")) + (
+        same_text = _yes_no(s.replicas_identical) + (
             f' <span class="sub">({plural(distinct, "distinct parameter checksum")} over '
             f"{plural(len(reported), 'rank')})</span>"
             if reported
             else ""
         )
     facts.append(("Replicas identical", same_text))
-    if s.get("seconds") is not None:
-        facts.append(("Wall time", f"{_fmt(s['seconds'], ',.1f')} s"))
+    if s.seconds is not None:
+        facts.append(("Wall time", f"{_fmt(s.seconds, ',.1f')} s"))
     if (run.run_dir / "tensorboard").is_dir():
         facts.append(("TensorBoard", f"<code>tensorboard --logdir {_e(run.run_dir / 'tensorboard')}</code>"))
     rows = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts)
@@ -594,10 +595,10 @@ def _summary_html(run: Run) -> str:
 
 def _workers_html(run: Run) -> str:
     last = run.epochs[-1] if run.epochs else {}
-    workers = {w.get("rank"): w for w in run.summary.get("workers") or [] if isinstance(w, dict)}
+    workers = {w.get("rank"): w for w in run.summary.workers or [] if isinstance(w, dict)}
     fields = [f for f in RANK_FIELDS if f.values(last)] + _unknown_rank_fields(last)
     columns = {f.key: f.values(last) for f in fields}
-    checksums = run.summary.get("param_checksums") or []
+    checksums = run.summary.param_checksums or []
     ranks = sorted(
         set(workers) | set(range(max([run.world_size] + [len(v) for v in columns.values()]))),
         key=lambda r: (not isinstance(r, int), r),
@@ -775,7 +776,7 @@ def _plots_html(plots: list[Plot]) -> str:
 
 def render_html(run: Run, plots: list[Plot]) -> str:
     """The whole page: inline CSS, images as data URIs, nothing fetched from anywhere."""
-    title = f"Run {run.summary.get('name') or run.run_dir.name} ({run.status})"
+    title = f"Run {run.summary.name or run.run_dir.name} ({run.status})"
     made = time.strftime("%Y-%m-%d %H:%M:%S")
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

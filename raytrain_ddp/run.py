@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING
 
-from raytrain_ddp.config import TrainConfig, _field_type, load_toml
+from raytrain_ddp.config import TrainConfig, field_type, load_toml
 from raytrain_ddp.driver.signals import hold_early_stop_signals
 from raytrain_ddp.errors import (  # noqa: F401 (EXIT_BAD_INPUT: the exit codes, together)
     EXIT_BAD_INPUT,
@@ -77,7 +77,7 @@ def build_parser(
         if only is not None and f.name not in only:
             continue
         flag = (flag_names or {}).get(f.name) or "--" + f.name.replace("_", "-")
-        kind = _field_type(f)
+        kind = field_type(f)
         default = None if f.default is MISSING else f.default
         help_text = f"{f.metadata['help']} (default: {default})"
         if kind is bool:

@@ -165,17 +165,17 @@ def _numeric_cases() -> list[tuple]:
     """For every numeric flag: a value past its limit, and (float flags) NaN and infinity."""
     from dataclasses import fields
 
-    from raytrain_ddp.config import UPPER_LIMITS, TrainConfig, _field_type
+    from raytrain_ddp.config import TrainConfig, field_type
 
     cases = []
     for f in fields(TrainConfig):
-        if _field_type(f) not in (int, float):
+        if field_type(f) not in (int, float):
             continue
         flag = "--" + f.name.replace("_", "-")
         extra = ["--num-workers", "100000"] if f.name == "min_workers" else []
-        huge = str(int(UPPER_LIMITS[f.name]) * 10 + 1)
+        huge = str(int(f.metadata["maximum"]) * 10 + 1)
         cases.append((f"{f.name}-huge", [*extra, flag, huge], f"{flag} must be at most"))
-        if _field_type(f) is float:
+        if field_type(f) is float:
             cases += [
                 (f"{f.name}-{word}", [flag, word], f"{flag} must be a finite number, got {word}")
                 for word in ("nan", "inf")
@@ -507,7 +507,9 @@ TESTED_ELSEWHERE = {
 
 
 def test_the_bad_input_table_covers_every_flag():
-    from raytrain_ddp.config import UPPER_LIMITS
+    from dataclasses import fields
+
+    from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.run import build_parser
 
     flags = {
@@ -530,7 +532,8 @@ def test_the_bad_input_table_covers_every_flag():
         "--tf32",
     }  # one table row shows how any of them fails
     assert flags - tested - set(TESTED_ELSEWHERE) - booleans == set()
-    numeric = {f for f in flags if f[2:].replace("-", "_") in UPPER_LIMITS}
+    limited = {f.name for f in fields(TrainConfig) if "maximum" in f.metadata}
+    numeric = {f for f in flags if f[2:].replace("-", "_") in limited}
     assert numeric == {
         flag for flag in flags if any(c[0].startswith(flag[2:].replace("-", "_") + "-huge") for c in NUMERIC_CASES)
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_ddp.cluster import health, plan
+from raytrain_ddp.summary import RunSummary
 
 NODES = ["n1", "n2", "n3"]
 
@@ -83,16 +84,16 @@ def test_the_plan_carries_the_check_timeout_and_the_requeue_cap():
 
 def test_nodes_the_run_failed_on_come_from_the_summary():
     lost = {"lost_nodes": [{"hostname": "n2.cluster.local", "node_ip": "10.0.0.2"}], "stuck_nodes": ["n3"]}
-    assert health.nodes_the_run_failed_on({**lost, "error": "lost node n2 (...) after 1 epoch(s)"}, NODES) == [
-        "n2",
-        "n3",
-    ]
-    assert health.nodes_the_run_failed_on({"stuck_nodes": ["n3"], "error": "watchdog: no rank ..."}, NODES) == ["n3"]
+
+    def failed_on(summary: dict) -> list[str]:
+        return health.nodes_the_run_failed_on(RunSummary.from_json(summary), NODES)
+
+    assert failed_on({**lost, "error": "lost node n2 (...) after 1 epoch(s)"}) == ["n2", "n3"]
+    assert failed_on({"stuck_nodes": ["n3"], "error": "watchdog: no rank ..."}) == ["n3"]
     # a failure of the run's own (it would fail on any node) names no node, whatever else the summary holds
-    assert health.nodes_the_run_failed_on({**lost, "error": "non-finite loss at step 3"}, NODES) == []
-    lost_elsewhere = {"lost_nodes": [{"hostname": "elsewhere"}], "error": "lost node elsewhere"}
-    assert health.nodes_the_run_failed_on(lost_elsewhere, NODES) == []
-    assert health.nodes_the_run_failed_on({}, NODES) == []
+    assert failed_on({**lost, "error": "non-finite loss at step 3"}) == []
+    assert failed_on({"lost_nodes": [{"hostname": "elsewhere"}], "error": "lost node elsewhere"}) == []
+    assert failed_on({}) == []
 
 
 def _probe(host: str, cuda: bool) -> dict:
@@ -134,10 +135,16 @@ def test_nodes_whose_gpus_cuda_did_not_see_reach_the_launcher_through_the_summar
     result = _failed_before_start(config, str(faulty.value), gpu_failed_nodes=faulty.value.hosts)
     assert not result.ok and not result.stopped
     summary = Launcher.summary(config.run_dir)
-    assert summary == result.summary and summary["epochs_completed"] == 3 and summary["status"] == "failed"
+    assert summary == result.run_summary and summary.epochs_completed == 3 and summary.status == "failed"
+    assert json.loads((config.run_dir / "summary.json").read_text()) == {
+        "status": "failed",
+        "epochs_completed": 3,
+        "error": str(faulty.value),
+        "gpu_failed_nodes": ["n3.cluster.local"],
+    }
     assert health.nodes_the_run_failed_on(summary, NODES) == ["n3"]
     # a stale list of such nodes is not read when the run failed otherwise
-    assert health.nodes_the_run_failed_on({**summary, "error": "non-finite loss at step 3"}, NODES) == []
+    assert health.nodes_the_run_failed_on(summary.with_fields(error="non-finite loss at step 3"), NODES) == []
 
 
 def test_the_exclusion_list_merges_with_the_jobs_own():
@@ -162,44 +169,16 @@ def test_a_usr1_is_told_apart_as_a_preemption_by_the_jobs_preempt_time():
 
 
 def test_a_trainer_that_failed_without_writing_its_summary_is_told_apart():
-    stopped = {"status": "stopped", "epochs_completed": 1}  # the last incarnation's, before a requeue
+    none = RunSummary.missing()
+    stopped = RunSummary.from_json({"status": "stopped", "epochs_completed": 1})  # the last incarnation's
     said = health.ended_without_summary(-9, stopped, stopped)
     assert said and said.startswith("the trainer was killed by SIGKILL (the OOM killer"), said
     assert said.endswith("the same command resumes from the latest checkpoint"), said
-    assert health.ended_without_summary(-11, {}, {}).startswith("the trainer was killed by SIGSEGV (a crash in native")
-    assert "Ray ending it because the Ray of its node went away" in health.ended_without_summary(1, {}, {})
-    failed = {"status": "failed", "error": "non-finite loss at step 3"}
-    assert health.ended_without_summary(1, stopped, failed) is None  # its own summary says why
-    assert health.ended_without_summary(0, {}, {}) is None
-    assert health.ended_without_summary(2, {}, {}) is None  # a bad input: its one line is out
-
-
-@pytest.mark.parametrize(
-    "rc, error, requeued",
-    [(1, "lost node n2 (10.0.0.2, rank(s) 1) after 1 epoch(s); ...", True), (74, "storage full: ...", False)],
-    ids=["lost-node", "storage-full"],
-)
-def test_a_run_whose_storage_is_full_is_not_requeued_and_the_log_says_so(tmp_path, caplog, rc, error, requeued):
-    """Exit code 74: the storage is as full whichever nodes the job gets, so the job is not requeued, and one line
-    says so (a run that failed on a lost node is requeued without it)."""
-    import json
-    import logging
-
-    from raytrain_ddp.cluster.slurm import Launcher
-
-    (tmp_path / "summary.json").write_text(json.dumps({"error": error, "lost_nodes": [{"hostname": "n2"}]}))
-    launcher = Launcher([])
-    launcher.plan = plan.job_plan(
-        {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "3"},
-        NODES,
-        head_ip="10.0.0.1",
-        ports=plan.port_blocks(7, 1)[0],
-        python="py",
-        home="/h",
-        fallback_cpus=1,
+    assert health.ended_without_summary(-11, none, none).startswith(
+        "the trainer was killed by SIGSEGV (a crash in native"
     )
-    with caplog.at_level(logging.INFO, logger="raytrain_ddp"):
-        launcher.after_trainer(rc, tmp_path, {})
-    assert launcher.requeue is requeued and launcher.exclude == (["n2"] if requeued else [])
-    not_requeued = [r.getMessage() for r in caplog.records if "not requeued (it would fail again)" in r.getMessage()]
-    assert len(not_requeued) == (0 if requeued else 1), caplog.text
+    assert "Ray ending it because the Ray of its node went away" in health.ended_without_summary(1, none, none)
+    failed = RunSummary.from_json({"status": "failed", "error": "non-finite loss at step 3"})
+    assert health.ended_without_summary(1, stopped, failed) is None  # its own summary says why
+    assert health.ended_without_summary(0, none, none) is None
+    assert health.ended_without_summary(2, none, none) is None  # a bad input: its one line is out

@@ -313,11 +313,11 @@ def test_the_slurm_launcher_reads_a_summary_on_object_storage(s3_server, tmp_pat
     kwargs = dict(head_ip="10.0.0.1", ports=plan.port_blocks(7, 1)[0], python="py", home="/h", fallback_cpus=1)
     launcher.plan = plan.job_plan(env, ["n1", "n2"], **kwargs)
     storage_path = _storage(s3_server, "launcher")
-    assert launcher.summary(launcher.run_dir({"storage_path": storage_path, "name": "run-1"})) == summary
-    assert launcher.summary(launcher.run_dir({"storage_path": storage_path, "name": "run-2"})) == {}  # none written
+    assert launcher.summary(launcher.run_dir({"storage_path": storage_path, "name": "run-1"})).to_json() == summary
+    assert launcher.summary(launcher.run_dir({"storage_path": storage_path, "name": "run-2"})).to_json() == {}  # none
     (tmp_path / "run-1").mkdir()
     (tmp_path / "run-1" / "summary.json").write_text(json.dumps(summary))
-    assert launcher.summary(launcher.run_dir({"storage_path": str(tmp_path), "name": "run-1"})) == summary
+    assert launcher.summary(launcher.run_dir({"storage_path": str(tmp_path), "name": "run-1"})).to_json() == summary
 
 
 def test_a_run_lock_taken_over_is_not_beaten_over(s3_server, tmp_path, monkeypatch, caplog):

@@ -24,6 +24,7 @@ from support import REPO, run_cli
 
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.summary import RunSummary
 
 NOWHERE = "127.0.0.1:1"  # a Ray address nothing listens on: a check after connect() would fail with it
 
@@ -286,7 +287,7 @@ def test_a_failing_report_leaves_a_finished_run_finished(tmp_path, caplog):
     config.run_dir.mkdir(parents=True)
     (config.run_dir / "report").write_text("a file where the report directory goes")
     with caplog.at_level(logging.ERROR, logger="raytrain_ddp"):
-        _finish(config, config.run_dir, {"status": "finished", "epochs_completed": 2}, report=True)
+        _finish(config, config.run_dir, RunSummary(status="finished", epochs_completed=2), report=True)
     assert "The report could not be written (FileExistsError" in caplog.text
     assert json.loads((config.run_dir / "summary.json").read_text())["status"] == "finished"
 
@@ -353,7 +354,7 @@ def test_mlflow_params_hold_no_credentials(tmp_path):
     from raytrain_ddp.driver.mlflow_log import EXPERIMENT, MlflowLog
 
     uri = f"file://{tmp_path}/mlruns"
-    MlflowLog(uri, _config(tmp_path, data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")).close({"status": "finished"})
+    MlflowLog(uri, _config(tmp_path, data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")).close(RunSummary(status="finished"))
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
     assert run.data.params["data"] == "s3://***@bucket/ds" and run.info.status == "FINISHED"
@@ -401,7 +402,7 @@ def test_a_resumed_run_continues_its_wandb_run_under_the_same_id(tmp_path, monke
     config.run_dir.mkdir(parents=True)
     for status in ("stopped", "finished"):
         sink = WandbLog(config, config.run_dir)
-        sink.close({"status": status})
+        sink.close(RunSummary(status=status))
     first, resumed = wandb_offline_runs(config.run_dir)
     kept = (config.run_dir / ID_FILE).read_text().strip()
     assert [run["run"][0]["run_id"] for run in (first, resumed)] == [kept, kept] == [sink.run_id, sink.run_id]
@@ -422,6 +423,6 @@ def test_a_failing_wandb_is_logged_and_the_run_goes_on(tmp_path, monkeypatch, ca
     with caplog.at_level(logging.ERROR, logger="raytrain_ddp"):
         sink = WandbLog(config, config.run_dir)
         sink.write_epoch({"epoch": 1, "train_loss": 1.0})
-        sink.close({"status": "finished"})
+        sink.close(RunSummary(status="finished"))
     (line,) = [r.getMessage() for r in caplog.records if "W&B" in r.getMessage()]
     assert line.startswith("W&B at team/p failed (") and line.endswith("the run goes on without W&B")

@@ -19,6 +19,7 @@ from raytrain_ddp import TrainConfig, _ray_compat
 from raytrain_ddp.driver import fit as fit_module
 from raytrain_ddp.driver.monitor import RunRecorder
 from raytrain_ddp.errors import EXIT_STORAGE_FULL
+from raytrain_ddp.summary import RunSummary
 
 BYTES_LEFT = 64 * 1024  # room for the driver's records, not for a checkpoint (~250 KiB: the CNN and its momentum)
 
@@ -172,11 +173,11 @@ def test_a_summary_the_disk_refuses_goes_to_stderr_as_one_json_line(tmp_path, ca
     with small_disk(tmp_path / "small", "1m") as disk:
         ballast = fill(disk)
         summary = {"status": "failed", "error": "storage full: ...", "epochs_completed": 1}
-        fit_module._write_summary(disk, summary)
+        fit_module._write_summary(disk, RunSummary.from_json(summary))
         assert not (disk / "summary.json").exists()
         assert json.loads(capsys.readouterr().err.splitlines()[-1]) == summary
         ballast.unlink()
-        fit_module._write_summary(disk, summary)
+        fit_module._write_summary(disk, RunSummary.from_json(summary))
         assert json.loads((disk / "summary.json").read_text()) == summary
 
 

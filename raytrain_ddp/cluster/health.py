@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 from collections.abc import Mapping
 
+from raytrain_ddp.summary import RunSummary
+
 NETCHECK_TIMEOUT_S = 30.0  # default of RAYTRAIN_NETCHECK_TIMEOUT_S: a few connections, seconds on a sane network
 # default of RAYTRAIN_MAX_EXCLUDING_REQUEUES: a failure that follows the job from node to node is not the nodes'
 MAX_EXCLUDING_REQUEUES = 3
@@ -93,17 +95,17 @@ def _weight(node: str, pairs: Mapping[tuple[str, str], str], nodes: list[str]) -
     return len(peers), nodes.index(node)
 
 
-def nodes_the_run_failed_on(summary: Mapping, nodes: list[str]) -> list[str]:
+def nodes_the_run_failed_on(summary: RunSummary, nodes: list[str]) -> list[str]:
     """The job's nodes a run failed on, from its summary: the lost nodes when a lost node ended it, the
     nodes of the ranks the watchdog ended when a hang did, the nodes whose GPUs CUDA did not see when
     others' it did (lost_nodes / stuck_nodes / gpu_failed_nodes; Ray's host names may carry a domain).
     None for any other failure: a NaN or a bad flag fails on every node alike."""
-    error = str(summary.get("error") or "")
+    error = str(summary.error or "")
     if error.startswith(GPU_CHECK_FAILED):
-        named = list(summary.get("gpu_failed_nodes") or [])
+        named = list(summary.gpu_failed_nodes or [])
     elif error.startswith(("lost node ", "watchdog: ")):
-        named = [n.get("hostname", "") for n in summary.get("lost_nodes") or []]
-        named += list(summary.get("stuck_nodes") or [])
+        named = [n.get("hostname", "") for n in summary.lost_nodes or []]
+        named += list(summary.stuck_nodes or [])
     else:
         return []
     short = {str(h).split(".")[0] for h in named if h}
@@ -119,11 +121,11 @@ LIKELY_SENDER = {
 }
 
 
-def ended_without_summary(returncode: int, before: Mapping, after: Mapping) -> str | None:
+def ended_without_summary(returncode: int, before: RunSummary, after: RunSummary) -> str | None:
     """The launcher's line for a trainer cut short before it wrote its summary (`before`: the run's summary
-    when the trainer started, {} for none), else None. Ray ends a driver at once, with exit code 1 and no word
-    of why, when the Ray of its node goes (its raylet killed, `ray stop`, a step cancelled); the OOM killer
-    sends a SIGKILL. A bad input (exit code 2) has said its one line already."""
+    when the trainer started, RunSummary.missing() for none), else None. Ray ends a driver at once, with exit
+    code 1 and no word of why, when the Ray of its node goes (its raylet killed, `ray stop`, a step cancelled);
+    the OOM killer sends a SIGKILL. A bad input (exit code 2) has said its one line already."""
     if not (returncode == 1 or returncode < 0) or after != before:
         return None
     if returncode < 0:

@@ -45,6 +45,7 @@ from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
 from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError, plural
 from raytrain_ddp.storage import RunPath
+from raytrain_ddp.summary import RunSummary
 
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
 
@@ -196,6 +197,17 @@ class Launcher:
 
     # ---------------------------------------------------------------- the job
     def run(self) -> int:
+        chosen = self.check_environment()
+        where = self.plan_job(chosen, self.job_nodes())
+        self.announce(where)
+        if os.environ.get("RAYTRAIN_DRY_RUN") == "1":
+            self.say_dry_run()
+            return 0
+        return self.bring_up_train_and_clean_up(chosen)
+
+    def check_environment(self) -> dict:
+        """Inside a Slurm job, with trainer flags that parse and Ray importable (with this job's token): the
+        settings the flags choose; else LaunchError."""
         env = os.environ
         if not env.get("SLURM_JOB_ID"):
             raise LaunchError(
@@ -214,23 +226,30 @@ class Launcher:
         os.environ["RAY_AUTH_TOKEN_PATH"] = f"{planning.job_dir(env, str(Path.home()))}/auth_token"
         os.environ.pop("RAY_AUTH_TOKEN", None)  # it would take precedence over the file
         try:
-            import ray
+            import ray  # noqa: F401  (whether it imports, once the token is set: announce reads it)
         except ImportError:
             raise LaunchError(
                 f"'{sys.executable}' cannot import ray; install the project into that environment", EXIT_BAD_INPUT
             ) from None
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # compute nodes rarely reach the internet
+        return chosen
 
-        listed = subprocess.run(
-            ["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")], capture_output=True, text=True
-        )
+    @staticmethod
+    def job_nodes() -> list[str]:
+        """The job's nodes, as scontrol names them; the first is the head."""
+        nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+        listed = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
         nodes = listed.stdout.split()
         if listed.returncode or not nodes:
             raise LaunchError(
-                f"scontrol show hostnames {env.get('SLURM_JOB_NODELIST', '')!r} failed: "
-                f"{listed.stderr.strip() or 'no nodes'}",
-                EXIT_BRINGUP,
+                f"scontrol show hostnames {nodelist!r} failed: {listed.stderr.strip() or 'no nodes'}", EXIT_BRINGUP
             )
+        return nodes
+
+    def plan_job(self, chosen: dict, nodes: list[str]) -> planning.RunLocation:
+        """The job's plan (self.plan: head, ports, resources per node) and its run's location, with the run's
+        request checked against the nodes where it can be (RAYTRAIN_PRECHECK)."""
+        env = os.environ
         try:
             head_ip = head_address(env, nodes)
         except LaunchError as err:
@@ -265,17 +284,23 @@ class Launcher:
                 planning.precheck(chosen, shape, nodes, plan.cpus, plan.gpus, plan.gpus_known)
             except ConfigError as err:
                 raise LaunchError(str(err), EXIT_BAD_INPUT) from None
+        return where
+
+    def announce(self, where: planning.RunLocation) -> None:
+        """The job's plan in the job's log: what a failed job's first lines must tell."""
+        import ray
 
         import raytrain_ddp
 
+        plan = self.plan
         log.info(
             "job %d (restart count %d): %d node(s): %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
-            job_id,
+            plan.job_id,
             plan.restart_count,
-            len(nodes),
-            " ".join(nodes),
+            len(plan.nodes),
+            " ".join(plan.nodes),
             plan.head,
-            head_ip,
+            plan.head_ip,
             ray.__version__,
             sys.executable,
             Path(raytrain_ddp.__file__).parent,
@@ -285,20 +310,27 @@ class Launcher:
             " ".join(map(str, plan.cpus)),
             plan.gpus,
         )
-        log.info("ports: gcs %d, dashboard %d, client %d, agent %d", *ports.all())
+        log.info("ports: gcs %d, dashboard %d, client %d, agent %d", *plan.ports.all())
         log.info("run directory: %s/%s", where.storage, where.name)
-        if env.get("RAYTRAIN_DRY_RUN") == "1":
-            gpu = " --use-gpu" if plan.gpus > 0 else ""
-            log.info(
-                "dry run: would run %s -u -m %s --address %s [--num-workers from cluster]%s %s",
-                sys.executable,
-                plan.module,
-                plan.head_address,
-                gpu,
-                " ".join(self.args),
-            )
-            log.info("dry run: expected workers %d", plan.gpus * len(nodes) if plan.gpus > 0 else len(nodes))
-            return 0
+
+    def say_dry_run(self) -> None:
+        """RAYTRAIN_DRY_RUN=1: what the job would run, and on how many workers, with nothing started."""
+        plan = self.plan
+        gpu = " --use-gpu" if plan.gpus > 0 else ""
+        log.info(
+            "dry run: would run %s -u -m %s --address %s [--num-workers from cluster]%s %s",
+            sys.executable,
+            plan.module,
+            plan.head_address,
+            gpu,
+            " ".join(self.args),
+        )
+        nodes = len(plan.nodes)
+        log.info("dry run: expected workers %d", plan.gpus * nodes if plan.gpus > 0 else nodes)
+
+    def bring_up_train_and_clean_up(self, chosen: dict) -> int:
+        """The job's exit code: the trainer's, or the launcher's own for a failed bring-up or a stop; every
+        node's Ray stopped whichever it is."""
         rc = 1
         try:
             rc = self.bring_up_and_train(chosen)
@@ -378,11 +410,12 @@ class Launcher:
         self.after_trainer(rc, run_dir, summary_before)
         return rc
 
-    def after_trainer(self, rc: int, run_dir: RunPath, summary_before: dict) -> None:
+    def after_trainer(self, rc: int, run_dir: RunPath, summary_before: RunSummary) -> None:
         """What the trainer's exit code (and its summary) says of the job: requeue it (without nodes it failed
         on), or not, each said in one line."""
         log.info("trainer exited with code %d; run directory: %s", rc, run_dir)
-        summary = self.summary(run_dir) if rc != 0 else {}  # read only when it has a failure to explain
+        # read only when it has a failure to explain
+        summary = self.summary(run_dir) if rc != 0 else RunSummary.missing()
         if unexplained := health.ended_without_summary(rc, summary_before, summary):
             log.error("%s", unexplained)
         failed_on = health.nodes_the_run_failed_on(summary, self.plan.nodes) if rc != 0 else []
@@ -411,12 +444,13 @@ class Launcher:
         return health.why_not_requeued(self.plan.restart_count, self.plan.max_excluding_requeues)
 
     @staticmethod
-    def summary(run_dir: RunPath) -> dict:
-        """The run's summary.json, local or on object storage ({} when there is none, or it does not read)."""
+    def summary(run_dir: RunPath) -> RunSummary:
+        """The run's summary.json, local or on object storage (RunSummary.missing() when there is none, or it does
+        not read)."""
         try:
-            return json.loads((run_dir / "summary.json").read_text())
+            return RunSummary.from_json(json.loads((run_dir / "summary.json").read_text()))
         except (OSError, ValueError):
-            return {}
+            return RunSummary.missing()
 
     def check_network(self, timeout: float) -> None:
         """Every node reaches every other (raytrain_ddp.cluster.node.network_check) within `timeout`, or

@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 import ray.data
 from ray import cloudpickle
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
@@ -44,6 +44,7 @@ from raytrain_ddp.plugins import describe, import_root, load_object, make_task
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
 from raytrain_ddp.storage import RemotePath, RunPath, Spool, stored, uri_of
+from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.checkpoint import entry_point
 from raytrain_ddp.worker.hooks import hooks_from_environment
 from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -80,34 +81,39 @@ class FitResult:
     """What a run left behind: its directory, summary and per-epoch records."""
 
     run_dir: RunPath
-    summary: dict
+    run_summary: RunSummary
     epochs: list[dict]
 
     @property
+    def summary(self) -> dict:
+        """What summary.json holds."""
+        return self.run_summary.to_json()
+
+    @property
     def ok(self) -> bool:
-        return self.summary["status"] == "finished"
+        return self.run_summary.status == "finished"
 
     @property
     def storage_full(self) -> bool:
         """Failed for a full disk or quota (or a read-only mount): free space, then running it again resumes it."""
-        return bool(self.summary.get("storage_full"))
+        return bool(self.run_summary.storage_full)
 
     @property
     def stopped(self) -> bool:
         """Stopped early on request (a signal) with epochs left: running it again resumes it."""
-        return self.summary["status"] == "stopped"
+        return self.run_summary.status == "stopped"
 
     @property
     def stop_reason(self) -> str | None:
-        return self.summary.get("stop_reason")
+        return self.run_summary.stop_reason
 
     @property
     def best_checkpoint(self) -> str | None:
-        return self.summary.get("best_checkpoint")
+        return self.run_summary.best_checkpoint
 
     @property
     def final_metrics(self) -> dict:
-        return self.summary.get("final_metrics") or {}
+        return self.run_summary.final_metrics or {}
 
 
 def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None:
@@ -419,31 +425,32 @@ class BuiltinWork:
     def describe(self, config: TrainConfig, workers: int) -> None:
         _describe_training(config, workers, self.plan.spec)
 
-    def interrupted_line(self, config: TrainConfig, summary: dict) -> str:
+    def interrupted_line(self, config: TrainConfig, summary: RunSummary) -> str:
         return (
-            f"interrupted (Ctrl-C) after {summary['epochs_completed']} of {plural(config.epochs, 'epoch')}; the "
+            f"interrupted (Ctrl-C) after {summary.epochs_completed} of {plural(config.epochs, 'epoch')}; the "
             "workers are stopped; run the same command again to resume from the latest checkpoint "
             f"({config.run_dir / 'summary.json'})"
         )
 
-    def say_outcome(self, config: TrainConfig, summary: dict, trained_here: int) -> None:
+    def say_outcome(self, config: TrainConfig, summary: RunSummary, trained_here: int) -> None:
         """The last line of a run that stopped early or finished (`trained_here`: epochs this driver trained)."""
-        if summary["status"] == "stopped":
+        if summary.status == "stopped":
             log.warning(
                 "Stopped early (%s) after %d of %s; resume from %s by running the same command again",
-                summary["stop_reason"],
-                summary["epochs_completed"],
+                summary.stop_reason,
+                summary.epochs_completed,
                 plural(config.epochs, "epoch"),
-                summary["resume_checkpoint"],
+                summary.resume_checkpoint,
             )
         else:
             log.info(
                 "Finished %s; best checkpoint: %s",
-                finished_text(summary["epochs_completed"], trained_here, summary["seconds"]),
-                summary["best_checkpoint"],
+                finished_text(summary.epochs_completed, trained_here, summary.seconds),
+                summary.best_checkpoint,
             )
 
     def summary_fields(self, recorder: RunRecorder) -> dict:
+        """The summary's fields this work sets its own way (RunSummary's names)."""
         return {}
 
     def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
@@ -494,12 +501,9 @@ def _failed_before_start(config: TrainConfig, error: str, gpu_failed_nodes: list
     """A run that failed on some nodes before any worker started: summary.json says so, naming them (what the
     Slurm launcher reads to requeue the job without them); what it said of earlier attempts stays."""
     log.error("Training failed: %s", error)
-    summary = {
-        **run_directory.read_summary(config.run_dir),
-        "status": "failed",
-        "error": error,
-        "gpu_failed_nodes": gpu_failed_nodes,
-    }
+    summary = run_directory.read_summary(config.run_dir).with_fields(
+        status="failed", error=error, gpu_failed_nodes=gpu_failed_nodes
+    )
     _write_summary(config.run_dir, summary)
     return FitResult(config.run_dir, summary, [])
 
@@ -527,6 +531,30 @@ def _choose_start(
         run_checkpoints.seed_new_run(config, start_state)
 
 
+@dataclass
+class _Observers:
+    """What follows a run while Ray Train runs it: the monitor actor the workers post to, the trackers, the
+    recorder, and the watcher thread that feeds the recorder (stopped by `stop`)."""
+
+    monitor: ray.actor.ActorHandle
+    sinks: list
+    recorder: RunRecorder
+    stop: threading.Event
+    watcher: threading.Thread
+
+
+@dataclass
+class _Outcome:
+    """How Ray Train's fit() ended: its result, or the error that ended it, or a Ctrl-C; and the stop request the
+    monitor held (None: none, or no monitor left to ask)."""
+
+    result: Result | None = None
+    error: str | None = None
+    failure: BaseException | None = None  # the exception behind `error`, when it is the workers' or Ray Train's
+    interrupted: bool = False
+    stop_reason: str | None = None
+
+
 def _train(
     config: TrainConfig,
     work,
@@ -537,6 +565,14 @@ def _train(
     stop_signal: StopSignal,
     lock: run_lock.RunLock,
 ) -> FitResult:
+    observers = _start_observers(config, work, run_dir, nodes, start_workers, lock)
+    outcome = _run_ray_train(config, work, start_workers, observers, stop_signal, lock)
+    return _conclude(config, work, run_dir, observers, outcome, started, stop_signal, lock)
+
+
+def _start_observers(
+    config: TrainConfig, work, run_dir: RunPath, nodes: list[dict], start_workers: int, lock: run_lock.RunLock
+) -> _Observers:
     monitor = start_monitor()
     sinks = (
         ([TensorBoardLog(run_dir)] if config.tensorboard else [])
@@ -554,65 +590,115 @@ def _train(
     watch_args = (monitor, recorder, stop, config, NodeWatch(nodes, ray.get_runtime_context().gcs_address), lock)
     watcher = threading.Thread(target=watch, args=watch_args, daemon=True)
     watcher.start()
-    error, result, interrupted, failure = None, None, False, None
-    stop_signal.forward_to(monitor)
+    return _Observers(monitor, sinks, recorder, stop, watcher)
+
+
+def _run_ray_train(
+    config: TrainConfig,
+    work,
+    start_workers: int,
+    observers: _Observers,
+    stop_signal: StopSignal,
+    lock: run_lock.RunLock,
+) -> _Outcome:
+    """Ray Train's fit() to its end, whichever way it ends; then the observers stopped."""
+    outcome, recorder = _Outcome(), observers.recorder
+    stop_signal.forward_to(observers.monitor)
     try:
-        result = _make_trainer(config, work, monitor, start_workers, work.data_kind).fit()
+        outcome.result = _make_trainer(config, work, observers.monitor, start_workers, work.data_kind).fit()
     except KeyboardInterrupt:  # Ctrl-C (Ray Train's own SIGINT handler is kept off: see _ray_compat.torch_trainer)
-        if recorder.cluster_gone:  # the watcher's, not the user's: nothing is left to stop
-            error = recorder.abort_reason
+        if recorder.verdict and recorder.verdict.cluster_gone:  # the watcher's, not the user's: nothing to stop
+            outcome.error = recorder.verdict.reason
         else:
-            interrupted = True
+            outcome.interrupted = True
             with interrupts_deferred():
                 _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
-        error, failure = describe_failure(err), err
+        outcome.error, outcome.failure = describe_failure(err), err
     except ray.exceptions.RayActorError as err:  # the watcher ended the controller: capacity did not come back
-        error = recorder.abort_reason or f"the Ray Train controller died: {one_line(err)}"
+        outcome.error = (
+            recorder.verdict.reason if recorder.verdict else f"the Ray Train controller died: {one_line(err)}"
+        )
     except Exception as err:  # the controller itself failed: the run still ends with a summary
         progress_log.info("Ray Train failed", exc_info=True)  # the traceback in driver.log; the console: one line
-        error, failure = describe_failure(err), err
+        outcome.error, outcome.failure = describe_failure(err), err
     finally:
-        with interrupts_deferred():
-            stop_signal.training_over = True
-            stop.set()
-            watcher.join()
-            if not lock.taken_over.is_set():
-                recorder.flush_files()
-            stop_reason = None
-            if not recorder.cluster_gone:
-                stop_reason = ray.get(monitor.stop_requested.remote())
-                ray.kill(monitor)
+        outcome.stop_reason = _stop_observers(observers, stop_signal, lock)
+    return outcome
+
+
+def _stop_observers(observers: _Observers, stop_signal: StopSignal, lock: run_lock.RunLock) -> str | None:
+    """The watcher stopped after its last drain, the records written, the monitor ended; returns the stop request
+    the monitor held (a signal's reason), None when there was none or no cluster is left to ask."""
+    with interrupts_deferred():
+        stop_signal.training_over = True
+        observers.stop.set()
+        observers.watcher.join()
+        if not lock.taken_over.is_set():
+            observers.recorder.flush_files()
+        if observers.recorder.cluster_gone:
+            return None
+        stop_reason = ray.get(observers.monitor.stop_requested.remote())
+        ray.kill(observers.monitor)
+        return stop_reason
+
+
+def _conclude(
+    config: TrainConfig,
+    work,
+    run_dir: RunPath,
+    observers: _Observers,
+    outcome: _Outcome,
+    started: float,
+    stop_signal: StopSignal,
+    lock: run_lock.RunLock,
+) -> FitResult:
+    """summary.json, the trackers' outcome (W&B's summary, MLflow's status), the report, the run's last line."""
+    recorder, sinks = observers.recorder, observers.sinks
     if lock.taken_over.is_set():  # no summary, report or tracker outcome over the other driver's
         for sink in sinks:
             sink.close(None)
         raise RunTakenOver(lock.takeover_message())
     if stop_signal.reason:
         log.info("Workers returned %.1fs after %s", time.time() - stop_signal.at, stop_signal.reason)
-    ranks_full = storage_full_in(failure, run_dir) if failure else None
-    if ranks_full or recorder.unwritten:
-        _after_storage_full(run_dir, recorder)
-    if full := ranks_full or recorder.unwritten:  # the workers' first: their failure ended the run
-        error = str(full)
-
+    full = _storage_full(run_dir, recorder, outcome.failure)
+    error = str(full) if full else outcome.error  # the workers' first: their failure ended the run
     with interrupts_deferred():
         summary = None
         try:
-            summary = _summary(config, work, recorder, result, error, stop_reason, time.time() - started, interrupted)
-            summary["storage_full"] = full.record() if full else None
-        finally:  # the trackers end with the run's outcome (W&B's summary, MLflow's status)
+            seconds = time.time() - started
+            summary = _summary(
+                config, work, recorder, outcome.result, error, outcome.stop_reason, seconds, outcome.interrupted
+            )
+            summary.storage_full = full.record() if full else None
+        finally:
             for sink in sinks:
                 sink.close(summary)
-        _finish(config, run_dir, summary, report=not interrupted and not full and not work.launched)  # epochs
+        _finish(config, run_dir, summary, report=not outcome.interrupted and not full and not work.launched)  # epochs
+    _say_how_it_ended(config, work, run_dir, recorder, summary, outcome.interrupted)
+    return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
+
+
+def _storage_full(run_dir: RunPath, recorder: RunRecorder, failure: BaseException | None) -> StorageFull | None:
+    """The full storage that ended the run, or left records unwritten after one more try (None: none did)."""
+    ranks_full = storage_full_in(failure, run_dir) if failure else None
+    if ranks_full or recorder.unwritten:
+        _after_storage_full(run_dir, recorder)
+    return ranks_full or recorder.unwritten
+
+
+def _say_how_it_ended(
+    config: TrainConfig, work, run_dir: RunPath, recorder: RunRecorder, summary: RunSummary, interrupted: bool
+) -> None:
+    """The run's last line; a Ctrl-C raises Interrupted with it."""
     if interrupted:
         raise Interrupted(work.interrupted_line(config, summary))
-    if error:
-        log.error("Training failed: %s", summary["error"])  # with the watchdog's verdict, if any
+    if summary.error:
+        log.error("Training failed: %s", summary.error)  # with the watchdog's verdict, if any
     else:
         work.say_outcome(config, summary, len(recorder.trained_here))
-        if summary["status"] == "finished":
+        if summary.status == "finished":
             _warn_if_profile_cut(config, run_dir, recorder)
-    return FitResult(run_dir, summary, [recorder.epochs[e] for e in sorted(recorder.epochs)])
 
 
 def _after_storage_full(run_dir: RunPath, recorder: RunRecorder) -> None:
@@ -659,7 +745,7 @@ def _warn_if_profile_cut(config: TrainConfig, run_dir: RunPath, recorder: RunRec
         )
 
 
-def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) -> None:
+def _finish(config: TrainConfig, run_dir: RunPath, summary: RunSummary, report: bool) -> None:
     """summary.json (whole, credentials masked), the link to Ray's logs, the report (not after a Ctrl-C):
     a report that fails is logged, never the run's outcome."""
     _write_summary(run_dir, summary)
@@ -676,14 +762,14 @@ def _finish(config: TrainConfig, run_dir: RunPath, summary: dict, report: bool) 
             )
 
 
-def _write_summary(run_dir: RunPath, summary: dict) -> None:
+def _write_summary(run_dir: RunPath, summary: RunSummary) -> None:
     """RUN_DIR/summary.json, whole, credentials masked; where its storage is full, one JSON line on stderr."""
     try:
         with storage_full_as("summary.json", run_dir):
-            write_atomic(run_dir / "summary.json", redact(json.dumps(summary, indent=2)) + "\n")
+            write_atomic(run_dir / "summary.json", redact(json.dumps(summary.to_json(), indent=2)) + "\n")
     except StorageFull as full:
         log.warning("%s not written (%s); the summary follows as one JSON line", run_dir / "summary.json", full.reason)
-        print(redact(json.dumps(summary)), file=sys.stderr, flush=True)
+        print(redact(json.dumps(summary.to_json())), file=sys.stderr, flush=True)
 
 
 def _link_ray_logs(run_dir: RunPath) -> None:
@@ -716,7 +802,7 @@ def _summary(
     stop_reason: str | None,
     seconds: float,
     interrupted: bool,
-) -> dict:
+) -> RunSummary:
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
     metric, mode = config.checkpoint_ranking(work.data_kind)
@@ -734,36 +820,35 @@ def _summary(
     epochs_left = work.launched or max(recorder.epochs, default=0) < config.epochs
     stopped = not error and stop_reason is not None and epochs_left
     latest = result.checkpoint if result is not None else None
-    return {
-        "status": "failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
-        "error": error,
-        "stop_reason": stop_reason if stopped else None,
-        "resume_checkpoint": _entry_uri(config, latest.path) if stopped and latest else None,
-        "name": config.name,
-        "run_dir": uri_of(recorder.run_dir),
-        "epochs_completed": len(epochs),
-        "epochs_requested": config.epochs,
-        "world_size": recorder.world_size,  # of the last attempt: elastic runs (--min-workers) may shrink
-        "per_worker_batch_size": config.batch_size,
-        "global_batch_size": config.global_batch_for(recorder.world_size),
-        "workers": [recorder.workers[rank] for rank in sorted(recorder.workers)],
-        "restarts": recorder.restarts,
-        "hangs": recorder.hangs,
-        "stuck_nodes": recorder.liveness.stuck_nodes,
-        "lost_nodes": recorder.lost_nodes,
-        "final_metrics": epochs[-1] if epochs else None,
-        "best_checkpoint": best_checkpoint,
-        "best_metrics": best_metrics,
-        "checkpoints_ranked_by": f"{metric} ({mode})",
-        "latest_checkpoint": _entry_uri(config, latest.path) if latest else None,
-        "samples_per_second": _mean_of(epochs, "samples_per_second"),
-        "model_tflops_per_second": _mean_of(epochs, "model_tflops_per_second"),
-        "mfu": _mean_of(epochs, "mfu"),
-        "param_checksums": checksums,
-        "replicas_identical": None not in checksums and len(set(checksums)) == 1,
-        "seconds": round(seconds, 2),
-        **work.summary_fields(recorder),
-    }
+    return RunSummary(
+        status="failed" if error else "interrupted" if interrupted else "stopped" if stopped else "finished",
+        error=error,
+        stop_reason=stop_reason if stopped else None,
+        resume_checkpoint=_entry_uri(config, latest.path) if stopped and latest else None,
+        name=config.name,
+        run_dir=uri_of(recorder.run_dir),
+        epochs_completed=len(epochs),
+        epochs_requested=config.epochs,
+        world_size=recorder.world_size,
+        per_worker_batch_size=config.batch_size,
+        global_batch_size=config.global_batch_for(recorder.world_size),
+        workers=[recorder.workers[rank] for rank in sorted(recorder.workers)],
+        restarts=recorder.restarts,
+        hangs=recorder.hangs,
+        stuck_nodes=recorder.liveness.stuck_nodes,
+        lost_nodes=recorder.lost_nodes,
+        final_metrics=epochs[-1] if epochs else None,
+        best_checkpoint=best_checkpoint,
+        best_metrics=best_metrics,
+        checkpoints_ranked_by=f"{metric} ({mode})",
+        latest_checkpoint=_entry_uri(config, latest.path) if latest else None,
+        samples_per_second=_mean_of(epochs, "samples_per_second"),
+        model_tflops_per_second=_mean_of(epochs, "model_tflops_per_second"),
+        mfu=_mean_of(epochs, "mfu"),
+        param_checksums=checksums,
+        replicas_identical=None not in checksums and len(set(checksums)) == 1,
+        seconds=round(seconds, 2),
+    ).with_fields(**work.summary_fields(recorder))
 
 
 def _mean_of(epochs: list[dict], key: str) -> float | None:

@@ -23,6 +23,7 @@ from raytrain_ddp.errors import ConfigError, plural
 from raytrain_ddp.launch import LAUNCH_FIELDS
 from raytrain_ddp.plugins import import_root
 from raytrain_ddp.storage import RemotePath, RunPath
+from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.launched import rank_log, run_function_per_worker, run_script_per_worker
 
 log = logging.getLogger("raytrain_ddp")
@@ -67,7 +68,7 @@ class LaunchedWork:
                 "launch writes its ranks' logs and checkpoint folder to a shared file system: give --storage-path "
                 "a folder every node sees (object storage is for the built-in loop's runs)"
             )
-        if run_directory.read_summary(config.run_dir).get("status") == "finished":
+        if run_directory.read_summary(config.run_dir).status == "finished":
             raise ConfigError(
                 f"run {config.name!r} already finished in {config.run_dir}; choose a new --name to run it again"
             )
@@ -121,24 +122,22 @@ class LaunchedWork:
             "final_metrics": reported[-1] if reported else None,
         }
 
-    def interrupted_line(self, config: TrainConfig, summary: dict) -> str:
+    def interrupted_line(self, config: TrainConfig, summary: RunSummary) -> str:
         return (
             f"interrupted (Ctrl-C): every rank of {self.what} is stopped; run the same command again, and a script "
             f"that saves to session.checkpoint_dir() resumes from there ({config.run_dir / 'summary.json'})"
         )
 
-    def say_outcome(self, config: TrainConfig, summary: dict, trained_here: int) -> None:
-        if summary["status"] == "stopped":
+    def say_outcome(self, config: TrainConfig, summary: RunSummary, trained_here: int) -> None:
+        if summary.status == "stopped":
             log.warning(
                 "Stopped early (%s): every rank of %s returned; run the same command again to resume from the "
                 "script's own snapshot",
-                summary["stop_reason"],
+                summary.stop_reason,
                 self.what,
             )
         else:
-            log.info(
-                "Finished %s on %s in %.0fs", self.what, plural(summary["world_size"], "worker"), summary["seconds"]
-            )
+            log.info("Finished %s on %s in %.0fs", self.what, plural(summary.world_size, "worker"), summary.seconds)
 
 
 def _script_path(script: str) -> str:

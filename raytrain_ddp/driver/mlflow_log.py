@@ -15,6 +15,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.tensorboard_log import epoch_scalars, step_scalars
 from raytrain_ddp.driver.tracker import QueuedTracker
 from raytrain_ddp.redact import redact
+from raytrain_ddp.summary import RunSummary
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -53,8 +54,8 @@ class MlflowLog(QueuedTracker):
         scalars = epoch_scalars(record) if kind == "epoch" else step_scalars(record)
         self._client.log_batch(self._run_id, metrics=[Metric(k, v, now_ms, record[kind]) for k, v in scalars.items()])
 
-    def _close(self, summary: dict | None) -> None:
-        status = (summary or {}).get("status")
+    def _close(self, summary: RunSummary | None) -> None:
+        status = summary.status if summary else None
         self._client.set_terminated(
             self._run_id,
             status="FINISHED" if status == "finished" else "FAILED" if status in (None, "failed") else "KILLED",

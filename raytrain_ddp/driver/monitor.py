@@ -20,6 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -40,6 +41,15 @@ from raytrain_ddp.errors import StorageFull, one_line, plural, storage_full_as
 from raytrain_ddp.storage import RunPath
 
 log = logging.getLogger("raytrain_ddp")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why the driver's watchdog ended the run (capacity did not come back, another driver took the run directory
+    over, the cluster went away): the run's error."""
+
+    reason: str
+    cluster_gone: bool = False  # the Ray cluster itself went away (its GCS stopped answering): nothing left to stop
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -143,10 +153,14 @@ class RunRecorder:
         self.console = Console(config.epochs)
         self.lost_nodes: list[dict] = []
         self.interrupted_at: float | None = None  # (monotonic) when a lost node took ranks; None while a group runs
-        self.abort_reason: str | None = None  # why the driver ended the run (capacity did not come back)
-        self.cluster_gone = False  # the Ray cluster itself went away (its GCS stopped answering)
+        self.verdict: Verdict | None = None  # the watchdog's, when it ended the run
         self.storage_full: StorageFull | None = None  # the first write the run directory's storage refused
         self._unwritten: dict[str, Callable[[], None]] = {}  # file -> the write a full disk refused, to try again
+
+    @property
+    def cluster_gone(self) -> bool:
+        """The watchdog's verdict: the Ray cluster went away, nothing of it is left to stop or ask."""
+        return self.verdict is not None and self.verdict.cluster_gone
 
     @property
     def steps_per_epoch(self) -> int:

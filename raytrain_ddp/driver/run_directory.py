@@ -21,6 +21,7 @@ from raytrain_ddp.errors import ConfigError, one_line
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
 from raytrain_ddp.storage import RunPath
+from raytrain_ddp.summary import RunSummary
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -43,8 +44,8 @@ def check(config: TrainConfig) -> None:
     """Raise ConfigError when the run directory holds a finished run, or other work; writes nothing."""
     run_dir = config.run_dir
     finished = read_summary(run_dir)
-    if finished.get("status") == "finished":
-        done = finished.get("epochs_completed", 0)
+    if finished.status == "finished":
+        done = finished.epochs_completed or 0
         if done >= config.epochs:
             raise ConfigError(
                 f"run {config.name!r} already finished in {run_dir}; choose a new --name to train "
@@ -54,19 +55,17 @@ def check(config: TrainConfig) -> None:
     _check_same_work(config, run_dir)
 
 
-def read_summary(run_dir: RunPath) -> dict:
-    """summary.json, or {} when there is none or it is cut short (it is written anew when this run ends)."""
+def read_summary(run_dir: RunPath) -> RunSummary:
+    """summary.json, or none (RunSummary.missing()) when there is none or it is cut short (it is written anew
+    when this run ends)."""
     path = run_dir / "summary.json"
     if not path.exists():
-        return {}
+        return RunSummary.missing()
     try:
-        summary = json.loads(path.read_text())
-        if not isinstance(summary, dict) or not isinstance(summary.get("epochs_completed", 0), int):
-            raise ValueError("not a run summary")
+        return RunSummary.from_json(json.loads(path.read_text()))
     except (OSError, ValueError) as err:
         log.warning("%s is unreadable (%s): ignored; it is written anew when this run ends", path, one_line(err))
-        return {}
-    return summary
+        return RunSummary.missing()
 
 
 def _check_same_work(config: TrainConfig, run_dir: RunPath) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from raytrain_ddp.errors import full_storage_error, one_line
 from raytrain_ddp.storage import RunPath, Spool
+from raytrain_ddp.summary import RunSummary
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -167,7 +168,7 @@ class TensorBoardLog:
                 raise
             log.warning("TensorBoard: could not write %s %s: %s", key, step, err)
 
-    def close(self, summary: dict | None = None) -> None:
+    def close(self, summary: RunSummary | None = None) -> None:
         """`summary` (the run's, as the other trackers take it) adds nothing to the event files."""
         if self._writer is not None:
             try:

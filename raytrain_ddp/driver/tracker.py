@@ -12,6 +12,7 @@ import queue
 import threading
 
 from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.summary import RunSummary
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -66,7 +67,7 @@ class QueuedTracker:
     def _write(self, kind: str, record: dict) -> None:
         raise NotImplementedError
 
-    def _close(self, summary: dict | None) -> None:
+    def _close(self, summary: RunSummary | None) -> None:
         raise NotImplementedError
 
     def write_epoch(self, record: dict) -> None:
@@ -75,8 +76,8 @@ class QueuedTracker:
     def write_step(self, record: dict) -> None:
         self._queue.put(("step", record))
 
-    def close(self, summary: dict | None = None) -> None:
-        """`summary`: the run's summary.json (None: the run ended before it had one)."""
+    def close(self, summary: RunSummary | None = None) -> None:
+        """`summary`: the run's summary (None: the run ended before it had one)."""
         self._queue.put(("close", summary))
         self._thread.join(CLOSE_WAIT_S)
         if self._thread.is_alive():

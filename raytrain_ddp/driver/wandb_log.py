@@ -20,6 +20,7 @@ from raytrain_ddp.driver.tracker import QueuedTracker
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact, redact_values
 from raytrain_ddp.storage import RemotePath, RunPath
+from raytrain_ddp.summary import RunSummary
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -90,15 +91,17 @@ class WandbLog(QueuedTracker):
             self._epoch_keys.add(key)
         self._wandb.log({"epoch": record["epoch"], **scalars})
 
-    def _close(self, summary: dict | None) -> None:
-        status = (summary or {}).get("status")
+    def _close(self, summary: RunSummary | None) -> None:
+        status = summary.status if summary else None
         if summary:
-            best = {f"best/{key}": value for key, value in (summary.get("best_metrics") or {}).items()}
+            best = {f"best/{key}": value for key, value in (summary.best_metrics or {}).items()}
             self._wandb.summary.update(
                 {
-                    **{key: summary.get(key) for key in ("status", "epochs_completed", "best_checkpoint")},
-                    "error": redact(summary["error"]) if summary.get("error") else None,
-                    "checkpoints_ranked_by": summary.get("checkpoints_ranked_by"),
+                    "status": summary.status,
+                    "epochs_completed": summary.epochs_completed,
+                    "best_checkpoint": summary.best_checkpoint,
+                    "error": redact(summary.error) if summary.error else None,
+                    "checkpoints_ranked_by": summary.checkpoints_ranked_by,
                     **{key: value for key, value in best.items() if isinstance(value, (int, float))},
                 }
             )

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight, stacks
-from raytrain_ddp.driver.monitor import RunRecorder
+from raytrain_ddp.driver.monitor import RunRecorder, Verdict
 from raytrain_ddp.driver.run_lock import RunLock
 from raytrain_ddp.errors import one_line
 
@@ -188,18 +188,18 @@ def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
 def _end_lost_cluster(recorder: RunRecorder, node_watch: NodeWatch, silent_s: float) -> None:
     """The head node's Ray is gone, and with it the cluster: say so, and end fit() in the main thread as Ctrl-C
     would (nothing of the cluster is left to stop)."""
-    recorder.cluster_gone = True
     if node_watch.own_gcs_ended():
         why = f"ended (the Ray this command started; exit code {node_watch.own_gcs.returncode})"
     else:
         why = (
             f"has not answered for {silent_s:.0f}s (Ray ended on its head node: the node, its Slurm step or `ray stop`)"
         )
-    recorder.abort_reason = (
+    recorder.verdict = Verdict(
         f"the Ray cluster went away: its GCS at {node_watch.gcs_address} {why}; the checkpoints are kept: run the "
-        f"same command again to resume"
+        f"same command again to resume",
+        cluster_gone=True,
     )
-    log.error("Giving up: %s", recorder.abort_reason)
+    log.error("Giving up: %s", recorder.verdict.reason)
     _thread.interrupt_main()
 
 
@@ -218,7 +218,7 @@ def watch(
     while not stop.wait(POLL_INTERVAL_S):
         try:
             if lock.taken_over.is_set():  # every poll until fit() returns: a controller that starts late goes too
-                recorder.abort_reason = recorder.abort_reason or lock.takeover_message()
+                recorder.verdict = recorder.verdict or Verdict(lock.takeover_message())
                 _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
                 continue
             if time.monotonic() - node_watch.checked >= NODE_CHECK_INTERVAL_S:
@@ -233,9 +233,9 @@ def watch(
             recorder.consume(ray.get(drained, timeout=DRAIN_TIMEOUT_S))
             drained, monitor_silent = None, False
             if recorder.interrupted_at is not None:  # no group to watch: waiting for capacity
-                if time.monotonic() - recorder.interrupted_at > config.capacity_wait_s and not recorder.abort_reason:
-                    recorder.abort_reason = _capacity_verdict(config, recorder)
-                    log.error("Giving up: %s", recorder.abort_reason)
+                if time.monotonic() - recorder.interrupted_at > config.capacity_wait_s and not recorder.verdict:
+                    recorder.verdict = Verdict(_capacity_verdict(config, recorder))
+                    log.error("Giving up: %s", recorder.verdict.reason)
                     _ray_compat.kill_train_controller()  # TorchTrainer.fit() raises: the run ends
                 continue
             quiet_start = not liveness.any_rank_reported or liveness.any_rank_compiling
