@@ -251,12 +251,14 @@ def evaluate(
         batches = _padded(batches, *lockstep)
     sums: dict[str, torch.Tensor] = {}
     for done, batch in enumerate(batches, start=1):
-        counted = _task_sums(loss_fn(model, batch)) if task else _classification_sums(model(batch["x"]), batch, loss_fn)
+        outputs = loss_fn(model, batch) if task else model(batch["x"])  # a padding batch too: FSDP's lockstep
         if on_batch is not None:
             on_batch(done)
-        if not batch.get("padding"):
-            for name, value in counted.items():
-                sums[name] = sums[name] + value if name in sums else value.to(device, torch.float64)
+        if batch.get("padding"):  # uncounted (the built-in padding batch has no targets)
+            continue
+        counted = _task_sums(outputs) if task else _classification_sums(outputs, batch, loss_fn)
+        for name, value in counted.items():
+            sums[name] = sums[name] + value if name in sums else value.to(device, torch.float64)
     names = _names_over_ranks(sums) if task else ["loss", "correct", "targets", "rows"]
     totals = torch.stack([sums.get(name, torch.zeros((), dtype=torch.float64, device=device)) for name in names])
     if dist.is_initialized():
