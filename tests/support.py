@@ -257,3 +257,19 @@ def rank_epoch_message(rank: int, **overrides) -> dict:
         "allreduce_wait_seconds": 0.2,
     }
     return {**message, **overrides}
+
+
+def script_rank_pid(script: Path, rank: int, timeout: float = 240) -> int:
+    """The pid of a launched `script`'s process for RANK=`rank`, found in the process table as an operator would
+    (the Slurm testbed's nodes share this host's)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and str(script).encode() in (entry / "cmdline").read_bytes():
+                    if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                        return int(entry.name)
+            except OSError:
+                continue
+        time.sleep(0.2)
+    raise TimeoutError(f"no process of {script} with RANK={rank}")

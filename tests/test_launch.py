@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import REPO
+from support import REPO, script_rank_pid
 
 pytestmark = pytest.mark.ray
 
@@ -61,21 +61,6 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _script_pid(script: Path, rank: int, timeout: float = 240) -> int:
-    """The pid of `script`'s process for RANK=`rank`, found in the process table as an operator would."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and str(script).encode() in (entry / "cmdline").read_bytes():
-                    if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                        return int(entry.name)
-            except OSError:
-                continue
-        time.sleep(0.2)
-    raise TimeoutError(f"no process of {script} with RANK={rank}")
-
-
 def _wait_for_line(path: Path, text: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -100,7 +85,7 @@ def tutorial(ray_address, tmp_path_factory):
     run = subprocess.Popen(command, cwd=storage, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_line(storage / "tutorial" / "logs" / "rank-1.log", "Epoch 1 |")
-        os.kill(_script_pid(TUTORIAL, rank=1), signal.SIGKILL)
+        os.kill(script_rank_pid(TUTORIAL, rank=1), signal.SIGKILL)
         output = run.communicate(timeout=300)[0]
     finally:
         run.kill()

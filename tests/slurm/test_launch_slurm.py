@@ -14,23 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from slurm_testbed import REPO, Testbed, log_text, wait_for_line
+from support import script_rank_pid
 
 pytestmark = pytest.mark.slurm
 
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=3", "--gpus-per-node=0", "--time=30"]
 TUTORIAL = REPO / "examples" / "ddp_tutorial.py"
-
-
-def _rank_pid(script: Path, rank: int) -> int | None:
-    """The pid of `script`'s process for RANK=`rank` (the testbed's nodes share the host's process table)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(script).encode() in (entry / "cmdline").read_bytes():
-                if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    return int(entry.name)
-        except OSError:
-            continue
-    return None
 
 
 def test_the_tutorial_script_runs_one_rank_per_node_and_a_killed_rank_resumes_from_its_snapshot(
@@ -52,7 +41,7 @@ def test_the_tutorial_script_runs_one_rank_per_node_and_a_killed_rank_resumes_fr
     t0, log_path, logs = time.monotonic(), wd / "job.out", wd / "runs" / "tutorial" / "logs"
     try:
         wait_for_line(logs / "rank-1.log", "Epoch 1 |", t0, 300, "rank 1 never finished epoch 1")
-        os.kill(_rank_pid(TUTORIAL, rank=1), signal.SIGKILL)
+        os.kill(script_rank_pid(TUTORIAL, rank=1), signal.SIGKILL)
         while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
             assert time.monotonic() - t0 < 480, log_text(log_path)
             time.sleep(2)
