@@ -23,17 +23,18 @@ _LAZY = {
 }
 
 
-def fit(config, model_fn=None, dataset_fn=None, loss_fn=None, task=None):
+def fit(config, model_fn=None, dataset_fn=None, loss_fn=None, task=None, hooks=None):
     """Train as `config` says and return a FitResult (see raytrain_ddp.driver.fit).
 
     model_fn(config) -> nn.Module, dataset_fn(config) -> {"train", "val"} Ray
     Datasets, loss_fn(outputs, targets), task (an object with training_step and
     validation_step, see docs/launch.md): your own, in place of the built-ins
-    (the CLI takes them as --model/--dataset/--loss/--task import paths).
+    (the CLI takes them as --model/--dataset/--loss/--task import paths); hooks, a
+    raytrain_ddp.worker.hooks.WorkerHooks that steps into the loop on every rank.
     """
     from raytrain_ddp.driver.fit import fit as _fit  # Ray and torch load only when training
 
-    return _fit(config, model_fn=model_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, task=task)
+    return _fit(config, model_fn=model_fn, dataset_fn=dataset_fn, loss_fn=loss_fn, task=task, hooks=hooks)
 
 
 def __getattr__(name: str):

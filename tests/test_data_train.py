@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from support import run_cli
+from worker_hooks import DieOnce
 
 from raytrain_ddp.data import synthetic
 
@@ -125,11 +126,8 @@ def _fit_losing_rank_1(config, epoch: int):
     """fit(config), rank 1's process dying once at micro-batch DIES_AT of `epoch`."""
     from raytrain_ddp import fit
 
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:DieOnce")
-        # 3 s: the checkpoints taken before count
-        env.setenv("RAYTRAIN_TEST_DIE_ONCE", f"{config.storage_path}:1:{epoch}:{DIES_AT}:3")
-        return fit(config)
+    # 3 s: the checkpoints taken before count
+    return fit(config, hooks=DieOnce(str(config.storage_path), at=(1, epoch, DIES_AT), wait_s=3))
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,18 @@ import json
 import re
 
 import pytest
+from worker_hooks import SlowDataThenCompute
 
 pytestmark = pytest.mark.ray
 
 
-def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arrives_mid_epoch(
-    ray_address, tmp_path, monkeypatch
-):
+def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arrives_mid_epoch(ray_address, tmp_path):
     """A straggler is named with what holds it up: rank 1 waits for its data in epoch 1 (its data wait is
     long), then computes slower in epoch 2 (rank 0 waits for it inside the gradient all-reduce)."""
     from raytrain_ddp import TrainConfig, fit
 
-    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowDataThenCompute")
-    monkeypatch.setenv("RAYTRAIN_TEST_SLOW_RANK", "1:0.4:0.1")  # per batch of epoch 1, per micro-batch of epoch 2
+    # per batch of epoch 1, per micro-batch of epoch 2
+    slow_rank_1 = SlowDataThenCompute(rank=1, data_seconds=0.4, compute_seconds=0.1)
     result = fit(
         TrainConfig(
             num_workers=2,
@@ -33,7 +32,8 @@ def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arri
             report=False,
             tensorboard=False,
             profile_steps="39:42",  # the run has 40 optimizer steps: the window is cut by its end
-        )
+        ),
+        hooks=slow_rank_1,
     )
     assert result.ok, result.summary["error"]
     in_data, in_compute = result.epochs

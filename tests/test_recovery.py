@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from support import REPO, descendants, kill_tree, processes_left
+from worker_hooks import SlowValidation, command_hooks
 
 pytestmark = pytest.mark.ray
 
@@ -49,16 +50,15 @@ def _config(tmp_path: Path, name: str, **overrides):
     return TrainConfig(**{**values, **overrides})
 
 
-def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray_address, tmp_path, monkeypatch):
+def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray_address, tmp_path):
     """Epoch 1's validation takes longer than the hang timeout but moves batch by batch: no hang. In epoch 2's,
     rank 1 stops after its second batch: the watchdog names it, its phase and progress, long before the
     collective timeout."""
     from raytrain_ddp import fit
 
-    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:SlowValidation")
     # 6 batches x 4 s per rank in epoch 1: a 24 s pass. The first batch may wait up to the whole hang timeout
     # (its Ray Data pipeline starting; 8 s was not enough on a CI machine whose other lane was busy)
-    monkeypatch.setenv("RAYTRAIN_TEST_SLOW_VALIDATION", "4:1:2:2")
+    slow_validation = SlowValidation(seconds=4, stall_at=(1, 2, 2))
     started = time.monotonic()
     config = _config(
         tmp_path,
@@ -70,7 +70,7 @@ def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray
         max_failures=0,
         collective_timeout_s=900,
     )
-    result = fit(config)
+    result = fit(config, hooks=slow_validation)
     elapsed = time.monotonic() - started
     assert not result.ok
     assert _epochs(tmp_path / "stalled") == [1]  # the slow validation pass was no hang
@@ -127,12 +127,7 @@ def test_usr1_in_start_up_or_mid_run_stops_at_a_checkpoint_and_the_same_command_
 
     # Epochs of >= 3 s however idle the machine: the stop request (heartbeats
     # every second, checked every 10 steps) must land before the last epoch.
-    slowed = {
-        **os.environ,
-        "RAYTRAIN_WORKER_HOOKS": "worker_hooks:SlowData",
-        "RAYTRAIN_TEST_SLOW_DATA": "0:0.2",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
+    slowed = {**os.environ, **command_hooks("SlowData", rank=0, seconds=0.2)}
     again = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=slowed)
     _wait_for_epoch(run_dir, 1)
     time.sleep(1)  # into epoch 2

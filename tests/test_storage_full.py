@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import REPO, rank_epoch_message, run_cli
+from support import rank_epoch_message, run_cli
+from worker_hooks import command_hooks
 
 from raytrain_ddp import TrainConfig, _ray_compat
 from raytrain_ddp.driver import fit as fit_module
@@ -64,11 +65,7 @@ def filled_run(ray_address, tmp_path_factory):
     """The command on a 16 MiB tmpfs that rank zero fills (but 64 KiB) as epoch 2 starts; then the ballast removed
     and the same command again: (first's output, its run directory's files then, the second's output)."""
     with small_disk(tmp_path_factory.mktemp("storage") / "small", "16m") as disk:
-        hooks = {
-            "RAYTRAIN_WORKER_HOOKS": "worker_hooks:FillDisk",
-            "RAYTRAIN_TEST_FILL_DISK": f"{disk / 'ballast'}:{BYTES_LEFT}:2",
-            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-        }
+        hooks = command_hooks("FillDisk", ballast=str(disk / "ballast"), bytes_left=BYTES_LEFT, epoch=2)
         first = run_cli("raytrain_ddp.run", *_command(ray_address, disk), env=hooks)
         print(first.stderr)  # what the user saw, on failure
         run_dir = disk / "full"

@@ -10,19 +10,18 @@ import time
 from pathlib import Path
 
 import pytest
+from worker_hooks import CountSyncs
 
 FIRST, LAST = 5, 125  # the steady micro-batches counted: after the first few, before the epoch's end
 
 
 @pytest.mark.ray
-def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path, monkeypatch):
+def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path):
     from raytrain_ddp import TrainConfig, fit
     from raytrain_ddp.worker.loop import NAN_CHECK_EVERY, STOP_CHECK_EVERY
 
     counts = tmp_path / "counts"
     counts.mkdir()
-    monkeypatch.setenv("RAYTRAIN_WORKER_HOOKS", "worker_hooks:CountSyncs")
-    monkeypatch.setenv("RAYTRAIN_TEST_COUNT_SYNCS", f"{counts}:{FIRST}:{LAST}")
     # 130 micro-batches per rank; ids recorded, so their path is counted too
     result = fit(
         TrainConfig(
@@ -36,7 +35,8 @@ def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path, mo
             record_sample_ids=True,
             storage_path=str(tmp_path),
             name="syncs",
-        )
+        ),
+        hooks=CountSyncs(str(counts), first=FIRST, last=LAST),
     )
     assert result.ok, result.summary["error"]
     # in the window: the loss check of micro-batches FIRST+1..LAST, the stop checks after optimizer steps

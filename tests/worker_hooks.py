@@ -1,7 +1,6 @@
-"""Worker hooks the tests install with RAYTRAIN_WORKER_HOOKS=worker_hooks:<name>.
-
-Each factory runs in the driver, so parameters come from the test's environment
-and travel to the workers inside the pickled object.
+"""Worker hooks the tests install: `fit(config, hooks=SlowData(rank=0, seconds=0.2))`, or for a command,
+RAYTRAIN_WORKER_HOOKS=worker_hooks:<name> with the arguments in RAYTRAIN_WORKER_HOOKS_ARGS (JSON; see
+`command_hooks`). Made in the driver, they travel to the workers pickled, arguments and all.
 """
 
 from __future__ import annotations
@@ -9,53 +8,62 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from raytrain_ddp.worker.hooks import WorkerHooks
 
-
-def _numbers(variable: str) -> list[float]:
-    return [float(v) for v in os.environ[variable].split(":")]
+TESTS = Path(__file__).resolve().parent
 
 
+def command_hooks(name: str, **arguments) -> dict[str, str]:
+    """The environment that installs hooks `name`(**arguments) in a command's run (this folder on its path)."""
+    return {
+        "RAYTRAIN_WORKER_HOOKS": f"worker_hooks:{name}",
+        "RAYTRAIN_WORKER_HOOKS_ARGS": json.dumps(arguments),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+    }
+
+
+@dataclass
 class SlowValidation(WorkerHooks):
-    """RAYTRAIN_TEST_SLOW_VALIDATION=seconds:rank:epoch:batch: every rank sleeps `seconds` after each validation
-    batch of epoch 1 (a pass longer than the hang timeout, each batch well inside it); then `rank` sleeps for
-    good (an hour) after validation batch `batch` of `epoch`."""
+    """Every rank sleeps `seconds` after each validation batch of epoch 1 (a pass longer than the hang timeout,
+    each batch well inside it); then `stall_at` = (rank, epoch, batch): that rank sleeps for good (an hour)
+    after that validation batch."""
 
-    def __init__(self) -> None:
-        self.seconds, rank, epoch, batch = _numbers("RAYTRAIN_TEST_SLOW_VALIDATION")
-        self.stall_at = (int(rank), int(epoch), int(batch))
+    seconds: float
+    stall_at: tuple[int, int, int]
 
     def on_validation_batch(self, rank: int, epoch: int, batch: int) -> None:
         if epoch == 1:
             time.sleep(self.seconds)
-        if (rank, epoch, batch) == self.stall_at:
+        if (rank, epoch, batch) == tuple(self.stall_at):
             time.sleep(3600)
 
 
+@dataclass
 class SlowData(WorkerHooks):
-    """RAYTRAIN_TEST_SLOW_DATA=rank:seconds: that rank waits this long for every batch."""
+    """That rank waits this long for every batch."""
 
-    def __init__(self) -> None:
-        rank, self.seconds = _numbers("RAYTRAIN_TEST_SLOW_DATA")
-        self.rank = int(rank)
+    rank: int
+    seconds: float
 
     def on_fetch(self, rank: int) -> None:
         if rank == self.rank:
             time.sleep(self.seconds)
 
 
+@dataclass
 class SlowDataThenCompute(WorkerHooks):
-    """RAYTRAIN_TEST_SLOW_RANK=rank:data_seconds:compute_seconds: in epoch 1 that rank waits `data_seconds` for
-    every training batch (its input pipeline is the bottleneck); from epoch 2 on it spends `compute_seconds`
-    more on every micro-batch instead (its compute is)."""
+    """In epoch 1 that rank waits `data_seconds` for every training batch (its input pipeline is the
+    bottleneck); from epoch 2 on it spends `compute_seconds` more on every micro-batch instead (its compute is)."""
 
-    def __init__(self) -> None:
-        rank, self.data_seconds, self.compute_seconds = _numbers("RAYTRAIN_TEST_SLOW_RANK")
-        self.rank = int(rank)
-        self.epoch = 1  # of the next fetch: the loop fetches a batch ahead, so micro-batches cannot tell it
+    rank: int
+    data_seconds: float
+    compute_seconds: float
+    epoch: int = 1  # of the next fetch: the loop fetches a batch ahead, so micro-batches cannot tell it
 
     def on_fetch(self, rank: int) -> None:
         if rank == self.rank and self.epoch == 1:
@@ -69,34 +77,34 @@ class SlowDataThenCompute(WorkerHooks):
         self.epoch = epoch + 1  # validation ends a training epoch
 
 
+@dataclass
 class DieOnce(WorkerHooks):
-    """RAYTRAIN_TEST_DIE_ONCE=directory:rank:epoch:micro_batch[:seconds]: that rank's process exits there (after
-    `seconds`), the first time only (directory/died marks it), as a killed process would: Ray Train restarts the
-    group, a new attempt. The wait lets Ray Train's controller take in the checkpoints reported before (it polls
-    the workers every 2 s)."""
+    """At `at` = (rank, epoch, micro_batch) that rank's process exits (after `wait_s`), the first time only
+    (directory/died marks it), as a killed process would: Ray Train restarts the group, a new attempt. The wait
+    lets Ray Train's controller take in the checkpoints reported before (it polls the workers every 2 s)."""
 
-    def __init__(self) -> None:
-        self.directory, *at = os.environ["RAYTRAIN_TEST_DIE_ONCE"].split(":")
-        self.at = tuple(int(n) for n in at[:3])
-        self.wait_s = float(at[3]) if len(at) > 3 else 0.0
+    directory: str
+    at: tuple[int, int, int]
+    wait_s: float = 0.0
 
     def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
         marker = os.path.join(self.directory, "died")
-        if (rank, epoch, micro_batch) == self.at and not os.path.exists(marker):
+        if (rank, epoch, micro_batch) == tuple(self.at) and not os.path.exists(marker):
             open(marker, "w").close()
             time.sleep(self.wait_s)
             os._exit(1)
 
 
+@dataclass
 class CountSyncs(WorkerHooks):
-    """RAYTRAIN_TEST_COUNT_SYNCS=directory:first:last: each rank counts the calls that make the host wait for
-    the device, from the end of micro-batch `first` of epoch 1 to the end of micro-batch `last`, in every
-    thread of its process, and writes {"count": n, "calls": {...}} to directory/rank-R.json."""
+    """Each rank counts the calls that make the host wait for the device, from the end of micro-batch `first`
+    of epoch 1 to the end of micro-batch `last`, in every thread of its process, and writes
+    {"count": n, "calls": {...}} to directory/rank-R.json."""
 
-    def __init__(self) -> None:
-        directory, first, last = os.environ["RAYTRAIN_TEST_COUNT_SYNCS"].split(":")
-        self.directory, self.first, self.last = directory, int(first), int(last)
-        self.calls: dict[str, int] | None = None  # None: not counting
+    directory: str
+    first: int
+    last: int
+    calls: dict[str, int] | None = field(default=None)  # None: not counting
 
     def on_fetch(self, rank: int) -> None:
         if not getattr(self, "_installed", False):
@@ -153,14 +161,15 @@ def _counting(original, name: str, count):
     return counted
 
 
+@dataclass
 class FillDisk(WorkerHooks):
-    """RAYTRAIN_TEST_FILL_DISK=ballast:bytes_left:epoch: at the first micro-batch of `epoch`, rank 0 fills the file
-    system that holds `ballast` with that file (allocated, not written) until `bytes_left` bytes are free: the
-    disk fills at a known point, whatever the run wrote before."""
+    """At the first micro-batch of `epoch`, rank 0 fills the file system that holds `ballast` with that file
+    (allocated, not written) until `bytes_left` bytes are free: the disk fills at a known point, whatever the run
+    wrote before."""
 
-    def __init__(self) -> None:
-        self.ballast, left, epoch = os.environ["RAYTRAIN_TEST_FILL_DISK"].split(":")
-        self.bytes_left, self.epoch = int(left), int(epoch)
+    ballast: str
+    bytes_left: int
+    epoch: int
 
     def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
         if (rank, epoch, micro_batch) == (0, self.epoch, 1):

@@ -46,7 +46,7 @@ from raytrain_ddp.report import write_report
 from raytrain_ddp.storage import RemotePath, RunPath, Spool, stored, uri_of
 from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.checkpoint import entry_point
-from raytrain_ddp.worker.hooks import hooks_from_environment
+from raytrain_ddp.worker.hooks import WorkerHooks, pickled_hooks
 from raytrain_ddp.worker.loop import train_loop_per_worker
 from raytrain_ddp.worker.profile import PROFILE_DIR
 
@@ -290,7 +290,9 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
     )
 
 
-def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None) -> dict:
+def resolve_plugins(
+    config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None, hooks: WorkerHooks | None = None
+) -> dict:
     """Import the plug-ins the config names (a typo fails here, in one line); what the workers need to find them.
 
     Python API callables are recorded in the config by name, for the run directory's config.toml.
@@ -306,7 +308,7 @@ def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn
         if path and is_import_path(path)
     ]
     loaded = {flag: load_object(path, flag) for flag, path in paths}
-    hooks, hooks_roots = hooks_from_environment()
+    pickled, hooks_roots = pickled_hooks(hooks)
     for field_name, fn in (("model", model_fn), ("dataset", dataset_fn), ("loss", loss_fn), ("task", task)):
         if fn is not None:
             setattr(config, field_name, describe(fn))
@@ -319,7 +321,7 @@ def resolve_plugins(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn
     roots = {root for path in [p for _, p in paths] + api_paths if (root := import_root(path))} | set(hooks_roots)
     return {
         "import_roots": sorted(roots),
-        "hooks": hooks,
+        "hooks": pickled,
         "model_fn": model_fn,
         "loss_fn": loss_fn,
         "task": task,  # a class or an object; made on each worker
@@ -351,18 +353,21 @@ def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> tuple[dict | N
     return (run_checkpoints.check_resume_from(config, plan.spec, shapes) if config.resume_from else None), shapes
 
 
-def fit(config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None) -> FitResult:
+def fit(
+    config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None, hooks: WorkerHooks | None = None
+) -> FitResult:
     """Train as `config` says; return where the results are. Raises ConfigError on bad input, StorageFull when
     the run directory's storage is full before training starts (once it has started, the result says so).
 
     `model_fn(config) -> nn.Module`, `dataset_fn(config) -> {"train", "val"}` (Ray
     Datasets of rows {x, y}), `loss_fn(outputs, targets)` and `task` (training_step/validation_step, see
     docs/launch.md) replace the built-in model, data, loss and step, as --model/--dataset/--loss/--task import
-    paths do on the CLI.
+    paths do on the CLI. `hooks` (a worker.hooks.WorkerHooks) steps into the loop on every rank: tests and
+    benchmarks slow, stall or count a rank with it.
     """
     if task is not None:  # recorded by name before validate(), which lets a task rank checkpoints by its val_NAME
         config.task = describe(task)
-    return run(config, BuiltinWork(model_fn, dataset_fn, loss_fn, task))
+    return run(config, BuiltinWork(model_fn, dataset_fn, loss_fn, task, hooks))
 
 
 def run(config: TrainConfig, work) -> FitResult:
@@ -385,8 +390,9 @@ class BuiltinWork:
     launched = False
     config_fields = None  # config.toml: every setting
 
-    def __init__(self, model_fn=None, dataset_fn=None, loss_fn=None, task=None) -> None:
+    def __init__(self, model_fn=None, dataset_fn=None, loss_fn=None, task=None, hooks=None) -> None:
         self.model_fn, self.dataset_fn, self.loss_fn, self.task = model_fn, dataset_fn, loss_fn, task
+        self.hooks = hooks
         self.plan: DataPlan | None = None
         self.start_state: dict | None = None
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -394,7 +400,7 @@ class BuiltinWork:
     def before_ray(self, config: TrainConfig) -> list[str]:
         """Plug-ins imported, the run directory checked, the data planned and checked against the model (nothing
         started, nothing written); returns the folders the workers import plug-ins from."""
-        self.plugins = resolve_plugins(config, self.model_fn, self.dataset_fn, self.loss_fn, self.task)
+        self.plugins = resolve_plugins(config, self.model_fn, self.dataset_fn, self.loss_fn, self.task, self.hooks)
         self.dataset_fn = self.plugins.pop("dataset_fn")
         self.dataset_label = self.plugins.pop("dataset_label")
         run_directory.check(config)  # a finished run, or the name taken by other work: before Ray starts

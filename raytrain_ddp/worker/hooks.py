@@ -1,9 +1,9 @@
 """Points in the worker loop where a test, a benchmark or a profiler may step in.
 
-A run's hooks are named by ``RAYTRAIN_WORKER_HOOKS=pkg.module:factory`` (read by
-the driver, which calls the factory once and ships the object, pickled, to
-every rank, so parameters read from the driver's environment travel with it;
-it is unpickled in the worker, once the module's directory is on its path). The default
+From Python a run's hooks are an object: ``fit(config, hooks=SlowData(rank=1, seconds=0.2))``; from the
+command line, ``RAYTRAIN_WORKER_HOOKS=pkg.module:factory`` names a factory the driver calls once, with the
+keyword arguments of ``RAYTRAIN_WORKER_HOOKS_ARGS`` (a JSON object) if set. Either way the object is shipped,
+pickled, to every rank, and unpickled in the worker once its module's directory is on the path. The default
 does nothing; a subclass overrides what it needs. Hooks run on the training
 thread: whatever they do (sleep, count), the step loop itself has no branch
 for it.
@@ -11,12 +11,14 @@ for it.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
 from raytrain_ddp.plugins import import_root, load_object
 
 HOOKS_ENV = "RAYTRAIN_WORKER_HOOKS"
+HOOKS_ARGS_ENV = "RAYTRAIN_WORKER_HOOKS_ARGS"  # the factory's keyword arguments, a JSON object
 
 
 class WorkerHooks:
@@ -36,18 +38,20 @@ class WorkerHooks:
         """After validation batch `batch` (from 1) of `epoch` was launched and counted in the heartbeat."""
 
 
-def hooks_from_environment() -> tuple[bytes | None, list[str]]:
-    """The pickled hooks RAYTRAIN_WORKER_HOOKS names (None: the defaults), and the import root workers need.
+def pickled_hooks(hooks: WorkerHooks | None) -> tuple[bytes | None, list[str]]:
+    """The pickled hooks (`hooks`, else those RAYTRAIN_WORKER_HOOKS names; None: the defaults), and the import
+    root workers need to unpickle them.
 
     Pickled here, unpickled by `worker_hooks`: Ray's controller unpickles the loop's config before any
     worker has the hooks' module on its path.
     """
     path = os.environ.get(HOOKS_ENV)
-    if not path:
+    if hooks is None and path:
+        hooks = load_object(path, HOOKS_ENV)(**json.loads(os.environ.get(HOOKS_ARGS_ENV) or "{}"))
+    if hooks is None:
         return None, []
-    hooks = pickle.dumps(load_object(path, HOOKS_ENV)())
-    root = import_root(path)
-    return hooks, [root] if root else []
+    root = import_root(f"{type(hooks).__module__}:")
+    return pickle.dumps(hooks), [root] if root else []
 
 
 def worker_hooks(pickled: bytes | None) -> WorkerHooks:
