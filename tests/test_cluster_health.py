@@ -66,7 +66,7 @@ def test_requeues_without_blamed_nodes_are_capped():
     limit = health.max_excluding_requeues({"RAYTRAIN_MAX_EXCLUDING_REQUEUES": "2"})
     assert [health.why_not_requeued(restarts, limit) is None for restarts in range(4)] == [True, True, False, False]
     assert health.why_not_requeued(2, 2) == (
-        "not requeued: the job has been requeued 2 time(s) already (RAYTRAIN_MAX_EXCLUDING_REQUEUES=2); "
+        "not requeued: the job has been requeued 2 times already (RAYTRAIN_MAX_EXCLUDING_REQUEUES=2); "
         "a failure that follows it to other nodes is the run's own"
     )
     for bad in ("-1", "1.5", "many", "1000"):
@@ -113,7 +113,7 @@ def test_gpus_cuda_sees_on_no_node_are_the_environments_fault_and_on_some_those_
     assert faulty.value.hosts == ["n2"]
     assert str(faulty.value) == (
         "GPU check failed on n2: Ray counts GPUs there, but CUDA sees none in a Ray worker (CUDA_VISIBLE_DEVICES=0,1, "
-        "torch built for CUDA 13.0), while it does on the other 2 node(s); check that node's driver with nvidia-smi"
+        "torch built for CUDA 13.0), while it does on the other 2 nodes; check that node's driver with nvidia-smi"
     )
 
 

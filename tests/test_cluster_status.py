@@ -16,7 +16,7 @@ def test_status_prints_each_node_and_what_fits(ray_address):
     result = run_cli("raytrain_ddp.cluster", "status", "--address", ray_address, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == "Ray cluster: 1 alive node(s)"
+    assert lines[0] == "Ray cluster: 1 alive node"
     assert lines[1].split()[:4] == ["node", "CPUs", "GPUs", "memory"]
     node = lines[2].split()
     assert node[1:3] == ["3", "0"] and node[4:6] == ["3", "0"], lines  # 3 CPUs: 3 one-CPU workers, no GPU ones

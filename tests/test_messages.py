@@ -51,6 +51,29 @@ def test_every_message_counts_through_plural():
     assert found == [], found
 
 
+# the "(s)" files other changes of this round move (the report's package, the watchdog's node messages, the
+# join wait) come next; until then they are known here, so that no new one is added
+NOUN_S_PENDING = ("report.py", "watchdog.py", "liveness.py", "slurm.py", "pipeline.py")
+
+
+def test_no_message_hedges_a_count_with_a_parenthesised_s():
+    """'2 node(s)', 'requeued 1 time(s)': the count is known, so the noun can agree with it (plural())."""
+    import re
+    from pathlib import Path
+
+    import raytrain_ddp
+
+    pattern = re.compile(r"""(%d|%s|\{[^{}]*\}) [A-Za-z ]*\w\(s\)|\w\(s\) (%s|\{)""")
+    found = [
+        f"{path.name}: {line.strip()}"
+        for path in Path(raytrain_ddp.__file__).parent.rglob("*.py")
+        if path.name not in NOUN_S_PENDING
+        for line in path.read_text().splitlines()
+        if pattern.search(line)
+    ]
+    assert found == [], found
+
+
 def test_a_group_shrunk_to_one_worker_is_said_in_the_singular(tmp_path, caplog):
     from raytrain_ddp import TrainConfig
     from raytrain_ddp.driver.monitor import RunRecorder

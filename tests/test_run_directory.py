@@ -222,8 +222,8 @@ def test_a_metrics_file_cut_short_keeps_its_whole_lines(tmp_path, caplog):
     (config.run_dir / "steps.jsonl").write_text('{"step": 10, "train_loss": 0.5}\n{"step": 20, "tr')
     with caplog.at_level(logging.WARNING, logger="raytrain_ddp"):
         run_directory.prepare(config)
-    assert "metrics.jsonl: line(s) 2 are not epoch records (cut short?): dropped, 1 epoch record(s) kept" in caplog.text
-    assert "steps.jsonl: line(s) 2 are not step records (cut short?): dropped, 1 step record(s) kept" in caplog.text
+    assert "metrics.jsonl: dropped line 2: no epoch record (cut short?); 1 epoch record kept" in caplog.text
+    assert "steps.jsonl: dropped line 2: no step record (cut short?); 1 step record kept" in caplog.text
     recorder = RunRecorder(config.run_dir, config, 64, 2, [])
     assert list(recorder.epochs) == [1] and [r["step"] for r in recorder.steps_file.records] == [10]
 

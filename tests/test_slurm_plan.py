@@ -241,7 +241,7 @@ def test_precheck_packs_like_preflight_fractional_cpus_included():
     check("--num-workers", "3", "--cpus-per-worker", "1.5")  # 2 + 1 fit beside a CPU for loading
     with pytest.raises(ConfigError, match="asked for 4 workers x 1.5 CPU"):  # read as 1, 4 would "fit"
         check("--num-workers", "4", "--cpus-per-worker", "1.5")
-    with pytest.raises(ConfigError, match=r"asked for 8 workers .* 2 node\(s\)"):
+    with pytest.raises(ConfigError, match=r"asked for 8 workers .* 2 nodes hold"):
         check("--num-workers", "8")
     with pytest.raises(ConfigError, match="asked for 6 workers x 1 CPU \\+ 1 GPU"):  # no CPU left for loading
         check("--num-workers", "6", gpus=3)

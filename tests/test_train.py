@@ -63,7 +63,7 @@ def test_console_says_dashboard_global_batch_and_table(default_run):
     # a private Ray: its token new, in a directory of its own that went with it; its node (and listeners) loopback
     token = Path(re.search(r"log in with the token: the contents of (\S+)\)", result.stderr).group(1))
     assert token.parent.parent == Path.home() / ".raytrain" and not token.parent.exists(), token
-    assert "Ray cluster: 1 node(s): 127.0.0.1:" in result.stderr, result.stderr[:2000]
+    assert "Ray cluster: 1 node: 127.0.0.1:" in result.stderr, result.stderr[:2000]
     assert "Global batch = 64 per worker x 2 workers = 128" in result.stderr
     assert "train loss (min..max over ranks)" in result.stderr
     assert "WARNING" not in result.stderr and "INFO" not in result.stderr  # none of Ray's own lines

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Mapping
 
+from raytrain_ddp.errors import plural
 from raytrain_ddp.summary import RunSummary
 
 NETCHECK_TIMEOUT_S = 30.0  # default of RAYTRAIN_NETCHECK_TIMEOUT_S: a few connections, seconds on a sane network
@@ -51,7 +52,7 @@ def why_not_requeued(restart_count: int, limit: int) -> str | None:
     if restart_count < limit:
         return None
     return (
-        f"not requeued: the job has been requeued {restart_count} time(s) already "
+        f"not requeued: the job has been requeued {plural(restart_count, 'time')} already "
         f"(RAYTRAIN_MAX_EXCLUDING_REQUEUES={limit}); a failure that follows it to other nodes is the run's own"
     )
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from raytrain_ddp.cluster.paths import UnsafePath, private_dir, remove_own_dir
 from raytrain_ddp.cluster.plan import JobPlan, gpu_mismatch, node_gpus
+from raytrain_ddp.errors import plural
 
 log = logging.getLogger("raytrain_ddp.cluster")
 
@@ -310,7 +311,9 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         log.info("port %d busy here; dashboard agent uses %d", plan.ports.agent, agent_port)
     gpus = node_gpus(os.environ, plan.gpus)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    log.info("CUDA_VISIBLE_DEVICES=%s; Ray will advertise %d GPU(s)", "unset" if visible is None else visible, gpus)
+    log.info(
+        "CUDA_VISIBLE_DEVICES=%s; Ray will advertise %s", "unset" if visible is None else visible, plural(gpus, "GPU")
+    )
     mismatch = gpu_mismatch(plan.nodes[index], visible, gpus)
     if mismatch:
         raise LaunchError(mismatch, 1)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 
 from raytrain_ddp.cluster.health import MAX_EXCLUDING_REQUEUES, max_excluding_requeues, netcheck_timeout
+from raytrain_ddp.errors import plural
 
 EXIT_BRINGUP = 3  # the Ray cluster could not be brought up (the log says which node and why)
 
@@ -127,7 +128,7 @@ def gpu_mismatch(node: str, visible: str | None, gpus: int) -> str | None:
     would put two workers on one GPU (or none on some)."""
     if gpus and visible is not None and id_list_count(visible) != gpus:
         return (
-            f"{node}: Slurm gives this node {gpus} GPU(s) and Ray would advertise {gpus}, but "
+            f"{node}: Slurm gives this node {plural(gpus, 'GPU')} and Ray would advertise {gpus}, but "
             f"CUDA_VISIBLE_DEVICES={visible!r} lists {id_list_count(visible)}; check the job's --gpus-per-node "
             "(or RAYTRAIN_GPUS_PER_NODE) against the node's gres.conf"
         )
@@ -246,7 +247,7 @@ def worker_shape(chosen: Mapping, nnodes: int, cluster_gpus: int, min_cpus: int)
             extra += ["--cpus-per-worker", str(cpus)]
             if nnodes > 1 and min_cpus < 3:
                 note = (
-                    f"note: with {min_cpus} CPU(s) per node Ray may place two workers on one node; "
+                    f"note: with {plural(min_cpus, 'CPU')} per node Ray may place two workers on one node; "
                     "use --cpus-per-task=3 or more"
                 )
     return WorkerShape(bool(use_gpu), int(workers), float(cpus), extra, note)

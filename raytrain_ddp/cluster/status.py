@@ -12,7 +12,7 @@ import logging
 import os
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
+from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plural
 
 
 def build_parser(prog: str = "python -m raytrain_ddp.cluster") -> argparse.ArgumentParser:
@@ -80,7 +80,7 @@ def status(address: str | None) -> str:
         address or os.environ.get("RAY_ADDRESS") or "auto", logging_level=logging.ERROR, log_to_driver=False
     )
     nodes = preflight.node_table()
-    return f"Ray cluster: {len(nodes)} alive node(s)\n{status_table(nodes)}"
+    return f"Ray cluster: {plural(len(nodes), 'alive node')}\n{status_table(nodes)}"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m raytrain_ddp.cluster") -> int:

@@ -236,7 +236,7 @@ def _schema_difference(schema: pa.Schema, reference: pa.Schema) -> str:
             return f"column {field.name!r} is {schema.field(field.name).type} in the first, {field.type} in the second"
     extra = [name for name in schema.names if name not in reference.names]
     if extra:
-        return f"the first has extra column(s) {', '.join(extra)}"
+        return f"the first has extra {'column' if len(extra) == 1 else 'columns'} {', '.join(extra)}"
     return f"columns {', '.join(schema.names)} vs {', '.join(reference.names)}"
 
 

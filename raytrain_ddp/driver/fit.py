@@ -159,7 +159,7 @@ def _pythonpath(import_roots: Sequence[str]) -> dict:
 
 
 def _describe_cluster(config: TrainConfig, dashboard_url: str | None, nodes: list[dict]) -> None:
-    log.info("Ray cluster: %d node(s): %s", len(nodes), preflight.describe(nodes))
+    log.info("Ray cluster: %s: %s", plural(len(nodes), "node"), preflight.describe(nodes))
     if dashboard_url:
         log.info("Ray dashboard: %s%s", dashboard_url, dashboard.login_hint())
         log.info(dashboard.where_the_run_shows(dashboard_url, config.name))

@@ -140,7 +140,7 @@ def check_fits(config: TrainConfig, nodes: list[dict]) -> int:
             else "try a smaller --cpus-per-worker"
         )
         raise ConfigError(
-            f"{asked}, but the {len(nodes)} node(s) hold {most} beside {DATA_LOADING_CPUS} CPU "
+            f"{asked}, but the {plural(len(nodes), 'node')} hold {most} beside {DATA_LOADING_CPUS} CPU "
             f"for Ray Data loading ({describe(nodes)}); {hint}"
         )
     return min(most, config.num_workers)
@@ -218,7 +218,8 @@ def judge_cuda_probes(seen: list[dict]) -> None:
         )
     raise UnusableGPUNodes(
         f"{GPU_CHECK_FAILED}{', '.join(hosts)}: Ray counts GPUs there, but CUDA sees none in a Ray worker ({what}), "
-        f"while it does on the other {len(seen) - len(failed)} node(s); check that node's driver with nvidia-smi",
+        f"while it does on the other {plural(len(seen) - len(failed), 'node')}; "
+        "check that node's driver with nvidia-smi",
         hosts,
     )
 

@@ -17,7 +17,7 @@ import tomllib
 
 from raytrain_ddp.config import TrainConfig, to_toml
 from raytrain_ddp.driver import run_checkpoints
-from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.errors import ConfigError, one_line, plural
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
 from raytrain_ddp.storage import RunPath
@@ -134,11 +134,11 @@ def _repair_records(path: RunPath, key: str) -> None:
             dropped.append(number)
     if dropped:
         log.warning(
-            "%s: line(s) %s are not %s records (cut short?): dropped, %d %s record(s) kept",
+            "%s: dropped %s %s: no %s (cut short?); %s kept",
             path,
+            "line" if len(dropped) == 1 else "lines",
             ", ".join(map(str, dropped)),
-            key,
-            len(kept),
-            key,
+            f"{key} record" if len(dropped) == 1 else f"{key} records",
+            plural(len(kept), f"{key} record"),
         )
         write_atomic(path, "".join(line + "\n" for line in kept))

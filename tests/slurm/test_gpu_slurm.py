@@ -22,7 +22,7 @@ def test_gpu_job_reaches_the_cuda_probe(testbed: Testbed) -> None:
     job = testbed.sbatch(TWO_GPUS_EACH, SMALL_RUN, name="gpu", timeout=600)
     assert job.returncode == 2, show(job)
     for node in NODES:  # each node's step was given its 2 of the node's 3 GPUs, and says so
-        assert f"[{node}] [raytrain {node}] CUDA_VISIBLE_DEVICES=0,1; Ray will advertise 2 GPU(s)" in job.log, show(job)
+        assert f"[{node}] [raytrain {node}] CUDA_VISIBLE_DEVICES=0,1; Ray will advertise 2 GPUs" in job.log, show(job)
         assert f"[{node}] [raytrain {node}] ray start" in job.log and "NCCL_SOCKET_IFNAME=eth0" in job.log, show(job)
     assert "cluster resources: 6 CPUs, 4 GPUs" in job.log, show(job)
     trainer = next(line for line in job.log.splitlines() if "trainer: " in line)

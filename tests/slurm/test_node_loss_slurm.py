@@ -193,7 +193,7 @@ def test_a_node_whose_link_is_down_is_named_and_the_requeued_job_excludes_it(tes
     assert_no_leftovers(job)
     [capped_error] = [line for line in capped.log.splitlines() if "ERROR" in line]
     assert f"network check failed: {LOST_NODE} (" in capped_error, show(capped)
-    assert "; not requeued: the job has been requeued 0 time(s) already (RAYTRAIN_MAX_EXCLUDING_REQUEUES=0)" in (
+    assert "; not requeued: the job has been requeued 0 times already (RAYTRAIN_MAX_EXCLUDING_REQUEUES=0)" in (
         capped_error
     ), show(capped)
     assert "requeued job" not in capped.log and "Restarts=0" in capped_shown, capped_shown
