@@ -83,33 +83,52 @@ def _assert_same_state(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
         assert all(torch.equal(got_optim["state"][key][name], value) for name, value in moments.items())
 
 
-def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(tmp_path):
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from raytrain_ddp.driver.run_checkpoints import read_verified
-    from raytrain_ddp.worker.checkpoint import consolidate
-
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> tuple[Path, dict]:
+    """Two ranks' sharded checkpoint after 2 AdamW steps, and the full state they saved (gathered on rank 0)."""
+    tmp_path = tmp_path_factory.mktemp("sharded")
     (tmp_path / "run").mkdir()
     saved = _spawn(2, tmp_path, "save")
     [directory] = saved["reported"]  # one checkpoint, which both ranks wrote into
-    checkpoint = Path(directory)
-    shards = sorted(path.name for path in (checkpoint / "shards").iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    assert not (checkpoint / "checkpoint.pt").exists()  # nothing gathered on one rank
+    return Path(directory), saved
+
+
+@pytest.fixture
+def damaged(sharded, tmp_path) -> Path:
+    """A copy of the sharded checkpoint whose rank 1 shard is cut to 100 bytes."""
+    truncated = tmp_path / "truncated"
+    shutil.copytree(sharded[0], truncated)
+    shard = truncated / "shards" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    return truncated
+
+
+def test_each_rank_writes_its_own_shard_and_nothing_is_gathered_on_one(sharded):
+    from raytrain_ddp.driver.run_checkpoints import read_verified
+
+    checkpoint, _ = sharded
+    assert sorted(path.name for path in (checkpoint / "shards").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert not (checkpoint / "checkpoint.pt").exists()
     state, why = read_verified(checkpoint)
     assert why is None and state["format"] == "sharded" and state["global_step"] == 2
 
-    # Its model's tensors are read from DCP's index: a model of other shapes is refused in one line, unloaded
-    from raytrain_ddp.driver.run_checkpoints import check_fits_model
+
+def test_a_model_of_other_shapes_is_refused_in_one_line_from_the_index_alone(sharded):
+    """The checkpoint's tensors are read from DCP's index: nothing is loaded to refuse it."""
+    from raytrain_ddp.driver.run_checkpoints import check_fits_model, read_verified
     from raytrain_ddp.errors import ConfigError
     from raytrain_ddp.models import TransformerLM
 
     def shapes(depth: int) -> dict:
-        return {
-            name: tuple(value.shape)
-            for name, value in TransformerLM(VOCAB, LENGTH, dim=32, depth=depth).state_dict().items()
-        }
+        model = TransformerLM(VOCAB, LENGTH, dim=32, depth=depth)
+        return {name: tuple(value.shape) for name, value in model.state_dict().items()}
 
+    checkpoint, _ = sharded
+    state, _ = read_verified(checkpoint)
     check_fits_model(checkpoint, state, shapes(depth=2), "it", "")  # the model it was trained with
     with pytest.raises(
         ConfigError,
@@ -118,12 +137,18 @@ def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(t
     ):
         check_fits_model(checkpoint, state, shapes(depth=3), "it", "build that one")
 
-    # One process loads the two ranks' shards: the same weights and AdamW moments as were saved
-    loaded = _spawn(1, tmp_path, "load", load_from=directory)
+
+def test_one_process_loads_two_ranks_shards_to_the_same_weights_and_moments(sharded, tmp_path):
+    checkpoint, saved = sharded
+    loaded = _spawn(1, tmp_path, "load", load_from=str(checkpoint))
     _assert_same_state(loaded["full"], saved["full"])
 
-    # consolidate: one full checkpoint.pt, the same state, that a plain torch.load reads
-    done = run_cli("raytrain_ddp.checkpoint", "consolidate", directory, str(tmp_path / "full"))
+
+def test_consolidate_writes_one_full_checkpoint_a_plain_torch_load_reads(sharded, tmp_path):
+    from raytrain_ddp.driver.run_checkpoints import read_verified
+
+    checkpoint, saved = sharded
+    done = run_cli("raytrain_ddp.checkpoint", "consolidate", str(checkpoint), str(tmp_path / "full"))
     assert done.returncode == 0, done.stderr
     full = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
     _assert_same_state((full["model"], full["optimizer"]), saved["full"])
@@ -133,49 +158,68 @@ def test_sharded_checkpoint_written_by_two_ranks_loads_on_one_and_consolidates(t
         done.stdout.strip()
         == f"wrote {tmp_path / 'full' / 'checkpoint.pt'} (OUT {tmp_path / 'full'} is a new directory)"
     )
-    # an OUT named as a file (.pt, .pth) is that file, not a directory of that name
-    as_file = run_cli("raytrain_ddp", "checkpoint", "consolidate", directory, str(tmp_path / "full.pt"))
+
+
+def test_consolidate_to_a_name_ending_in_pt_writes_that_file(sharded, tmp_path):
+    checkpoint, _ = sharded
+    as_file = run_cli("raytrain_ddp", "checkpoint", "consolidate", str(checkpoint), str(tmp_path / "full.pt"))
     assert as_file.returncode == 0 and as_file.stdout.strip() == f"wrote {tmp_path / 'full.pt'}", as_file.stderr
-    assert (tmp_path / "full.pt").is_file()
     assert torch.load(tmp_path / "full.pt", weights_only=True)["global_step"] == 2
 
-    # a target that exists: one line, exit 2, untouched
-    before = (tmp_path / "full" / "checkpoint.pt").read_bytes()
-    again = run_cli("raytrain_ddp", "checkpoint", "consolidate", directory, str(tmp_path / "full"))
+
+def test_consolidate_leaves_a_target_that_exists_untouched_in_one_line(sharded, tmp_path):
+    checkpoint, _ = sharded
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "checkpoint.pt").write_bytes(b"earlier")
+    again = run_cli("raytrain_ddp", "checkpoint", "consolidate", str(checkpoint), str(tmp_path / "full"))
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "already exists" in again.stderr
-    assert (tmp_path / "full" / "checkpoint.pt").read_bytes() == before
-    # a full checkpoint is no sharded one
+    assert (tmp_path / "full" / "checkpoint.pt").read_bytes() == b"earlier"
+
+
+def test_consolidate_refuses_a_full_checkpoint(sharded, tmp_path):
+    checkpoint, _ = sharded
+    assert run_cli("raytrain_ddp.checkpoint", "consolidate", str(checkpoint), str(tmp_path / "full")).returncode == 0
     not_sharded = run_cli("raytrain_ddp.checkpoint", "consolidate", str(tmp_path / "full"), str(tmp_path / "x"))
     assert not_sharded.returncode == 2 and "not a sharded checkpoint" in not_sharded.stderr
 
-    # --resume-from takes a sharded checkpoint too, and refuses one made for another model in one line
-    other = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), "--resume-from", directory)
+
+def test_resume_from_a_sharded_checkpoint_of_another_model_is_refused_in_one_line(sharded, tmp_path):
+    checkpoint, _ = sharded
+    other = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), "--resume-from", str(checkpoint))
     assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
     assert "was made for model transformer on inputs (16,) with 64 classes; this run is model cnn" in other.stderr
 
-    # a truncated shard, a missing one: named, and consolidate refuses (exit 2, one line, nothing written)
-    truncated = tmp_path / "truncated"
-    shutil.copytree(checkpoint, truncated)
-    shard = truncated / "shards" / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:100])
-    assert "shard shards/__1_0.distcp is truncated" in read_verified(truncated)[1]
-    refused = run_cli("raytrain_ddp.checkpoint", "consolidate", str(truncated), str(tmp_path / "y"))
+
+def test_a_truncated_shard_is_named_and_consolidate_writes_nothing(damaged, tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from raytrain_ddp.driver.run_checkpoints import read_verified
+    from raytrain_ddp.worker.checkpoint import consolidate
+
+    assert "shard shards/__1_0.distcp is truncated" in read_verified(damaged)[1]
+    refused = run_cli("raytrain_ddp.checkpoint", "consolidate", str(damaged), str(tmp_path / "y"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "truncated" in refused.stderr
     assert not (tmp_path / "y").exists()
     with pytest.raises(CheckpointException):  # past the checks, DCP's read fails: no half-made OUT blocks a retry
-        consolidate(truncated, tmp_path / "y")
+        consolidate(damaged, tmp_path / "y")
     assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith((".y", "y"))) == []
-    resumed = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), "--resume-from", str(truncated))
-    assert resumed.returncode == 2 and "is not a usable checkpoint: shard shards/__1_0.distcp is truncated" in (
-        resumed.stderr
-    )
-    shard.unlink()
-    assert read_verified(truncated)[1] == "shard shards/__1_0.distcp is missing"
-    (truncated / "shards" / ".metadata").unlink()
-    assert "shards/.metadata does not load" in read_verified(truncated)[1]
-    # evaluate refuses a damaged one the same way
-    scored = run_cli("raytrain_ddp.evaluate", str(truncated), "--device", "cpu")
+
+
+def test_resume_from_and_evaluate_refuse_a_truncated_shard_in_one_line(damaged, tmp_path):
+    resumed = run_cli("raytrain_ddp.run", "--storage-path", str(tmp_path / "runs"), "--resume-from", str(damaged))
+    assert resumed.returncode == 2 and resumed.stderr.count("\n") == 1, resumed.stderr
+    assert "is not a usable checkpoint: shard shards/__1_0.distcp is truncated" in resumed.stderr
+    scored = run_cli("raytrain_ddp.evaluate", str(damaged), "--device", "cpu")
     assert scored.returncode == 2 and scored.stderr.count("\n") == 1, scored.stderr
+
+
+def test_a_missing_shard_and_an_index_that_does_not_load_are_named(damaged):
+    from raytrain_ddp.driver.run_checkpoints import read_verified
+
+    (damaged / "shards" / "__1_0.distcp").unlink()
+    assert read_verified(damaged)[1] == "shard shards/__1_0.distcp is missing"
+    (damaged / "shards" / ".metadata").unlink()
+    assert "shards/.metadata does not load" in read_verified(damaged)[1]
 
 
 def test_waiting_for_a_sharded_write_tells_the_bytes_written(tmp_path):
