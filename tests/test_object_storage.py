@@ -1,9 +1,9 @@
 """`--storage-path s3://...` end to end, against a real S3-compatible server on 127.0.0.1 (moto's server mode).
 
 Every run file, the checkpoints, the resume, retention and the corrupt-checkpoint fallback go through
-pyarrow.fs to that server, and nothing lands in a local folder named after the scheme. Two Ray runs (DDP's
-full checkpoints from the CLI, its driver killed, FSDP's sharded ones from the FSDP example), each with its resume;
-the bad inputs fail before Ray starts.
+pyarrow.fs to that server, and nothing lands in a local folder named after the scheme. Two Ray runs, each shared
+by the tests that read it (DDP's full checkpoints from the CLI, its driver killed: `s3_run`; FSDP's sharded ones
+from the FSDP example: `fsdp_run`), each with its resume; the bad inputs fail before Ray starts.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,14 +74,30 @@ def _latest_checkpoint_of_epoch(fs: pafs.FileSystem, run: str, epoch: int, drive
     raise AssertionError(f"no checkpoint of epoch {epoch} in s3://{run} (the driver's exit code: {driver.poll()})")
 
 
-@pytest.mark.ray
-def test_a_run_on_s3_whose_driver_died_resumes_past_a_corrupt_checkpoint_and_seeds_a_new_run(
-    ray_address, s3_server, tmp_path
-):
-    """Everything on the bucket. The driver dies mid-run (a crash, an OOM kill, a lost login node) and its newest
-    checkpoint is then cut short on the server: the same command takes the dead driver's lock over, sets the
-    corrupt checkpoint aside (naming it) and resumes from the one before. Report and evaluate read the run from
-    the bucket, and its best checkpoint seeds a new run on local disk (--resume-from)."""
+@dataclass
+class BucketRun:
+    """A run whose every file is on the bucket, and what was done to it (see `s3_run`)."""
+
+    fs: pafs.S3FileSystem
+    run: str  # bucket/prefix of the run directory
+    cwd: Path
+    train: list[str]  # the command, without `python -m`
+    corrupted: str  # the checkpoint folder cut short on the server
+    first_stderr: str
+    second: subprocess.CompletedProcess  # the same command again
+
+    def read(self, name: str) -> str:
+        return _read(self.fs, f"{self.run}/{name}")
+
+    def summary(self) -> dict:
+        return json.loads(self.read("summary.json"))
+
+
+@pytest.fixture(scope="module")
+def s3_run(ray_address, s3_server, tmp_path_factory) -> BucketRun:
+    """Everything on the bucket. The driver dies mid-run (a crash, an OOM kill, a lost login node) after epoch 2's
+    checkpoint, which is then cut short on the server; then the same command again."""
+    tmp_path = tmp_path_factory.mktemp("s3-run")
     storage, fs = _storage(s3_server, "runs"), _fs(s3_server)
     run = f"{BUCKET}/runs/on-s3"
     train = ["raytrain_ddp.run", "--address", ray_address, "--storage-path", storage, "--name", "on-s3"]
@@ -93,61 +110,88 @@ def test_a_run_on_s3_whose_driver_died_resumes_past_a_corrupt_checkpoint_and_see
         try:
             latest = _latest_checkpoint_of_epoch(fs, run, 2, first)
         finally:
-            first.kill()  # the driver dies after epoch 2's checkpoint...
+            first.kill()
             first.wait()
-    assert "driver.lock is on object storage" in (tmp_path / "first.err").read_text()  # the lock's limit, said once
     corrupt = f"{run}/{latest}/checkpoint.pt"
     with fs.open_input_stream(corrupt) as stream:
         head = stream.read(1000)
-    with fs.open_output_stream(corrupt) as stream:  # ...which is then cut short on the server
+    with fs.open_output_stream(corrupt) as stream:
         stream.write(head)
-
-    second = _cli(tmp_path, *train)  # the same command
+    second = _cli(tmp_path, *train)
     assert second.returncode == 0, second.stderr[-3000:]
-    named = [line for line in second.stderr.splitlines() if "is corrupt" in line]
-    assert len(named) == 1 and f"s3://{corrupt}" in named[0], second.stderr[-3000:]
-    assert fs.get_file_info(f"{run}/corrupt/{latest}/checkpoint.pt").type == pafs.FileType.File  # kept, never loaded
-    # epoch 3 may have been recorded too: the kill lands while the run goes on
-    assert re.search(r"Resuming run on-s3: epochs 1(, 2)?(, 3)? already recorded", second.stderr), second.stderr
-    assert "Resuming from checkpoint " in second.stderr and ", at the start of epoch 2" in second.stderr, second.stderr[
-        -3000:
-    ]
-    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2, 3]
+    return BucketRun(fs, run, tmp_path, train, latest, (tmp_path / "first.err").read_text(), second)
 
-    # what the workers wrote went to the bucket too: the profile's files, the ids each rank trained on
+
+@pytest.mark.ray
+def test_the_lock_on_object_storage_says_its_limit_once(s3_run):
+    assert s3_run.first_stderr.count("driver.lock is on object storage") == 1, s3_run.first_stderr[-3000:]
+
+
+@pytest.mark.ray
+def test_the_same_command_sets_a_corrupt_checkpoint_aside_naming_it_and_resumes_from_the_one_before(s3_run):
+    stderr = s3_run.second.stderr
+    named = [line for line in stderr.splitlines() if "is corrupt" in line]
+    assert len(named) == 1 and f"s3://{s3_run.run}/{s3_run.corrupted}/checkpoint.pt" in named[0], stderr[-3000:]
+    kept = s3_run.fs.get_file_info(f"{s3_run.run}/corrupt/{s3_run.corrupted}/checkpoint.pt")
+    assert kept.type == pafs.FileType.File  # kept, never loaded
+    # epoch 3 may have been recorded too: the kill lands while the run goes on
+    assert re.search(r"Resuming run on-s3: epochs 1(, 2)?(, 3)? already recorded", stderr), stderr[-3000:]
+    assert "Resuming from checkpoint " in stderr and ", at the start of epoch 2" in stderr, stderr[-3000:]
+    assert [json.loads(line)["epoch"] for line in s3_run.read("metrics.jsonl").splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.ray
+def test_what_the_workers_write_goes_to_the_bucket(s3_run):
+    """The profile's files and the ids each rank trained on."""
     for rank in (0, 1):
-        assert json.loads(_read(fs, f"{run}/profile/rank-{rank}.top_ops.json"))["steps"] == [2, 3]
-        assert '"traceEvents"' in _read(fs, f"{run}/profile/rank-{rank}.trace.json")
-    with fs.open_input_stream(f"{run}/sample_ids/epoch-1-rank-0.npy") as stream:
+        assert json.loads(s3_run.read(f"profile/rank-{rank}.top_ops.json"))["steps"] == [2, 3]
+        assert '"traceEvents"' in s3_run.read(f"profile/rank-{rank}.trace.json")
+    with s3_run.fs.open_input_stream(f"{s3_run.run}/sample_ids/epoch-1-rank-0.npy") as stream:
         ids = np.load(io.BytesIO(stream.read()))
     assert len(ids) == 1024  # rank 0's half of the 2048 training rows
-    names = {info.base_name: info for info in fs.get_file_info(pafs.FileSelector(run))}
+
+
+@pytest.mark.ray
+def test_every_run_file_is_in_the_bucket_none_in_a_local_scheme_folder_and_no_lock_is_left(s3_run):
+    names = {info.base_name: info for info in s3_run.fs.get_file_info(pafs.FileSelector(s3_run.run))}
     for name in ("config.toml", "metrics.jsonl", "steps.jsonl", "summary.json", "driver.log"):
         assert names.get(name) and names[name].type == pafs.FileType.File, (name, sorted(names))
     assert "driver.lock" not in names  # the dead driver's, taken over, and the second's, released
-    assert json.loads(_read(fs, f"{run}/steps.jsonl").splitlines()[0])["step"] == 4
-    assert "Run directory: s3://raytrain/runs/on-s3" in _read(fs, f"{run}/driver.log")
-    summary = json.loads(_read(fs, f"{run}/summary.json"))
+    assert json.loads(s3_run.read("steps.jsonl").splitlines()[0])["step"] == 4
+    assert "Run directory: s3://raytrain/runs/on-s3" in s3_run.read("driver.log")
+    summary = s3_run.summary()
     assert summary["status"] == "finished" and summary["epochs_completed"] == 3, summary
-    assert summary["latest_checkpoint"].startswith(f"s3://{run}/checkpoint_"), summary["latest_checkpoint"]
-    assert "<html" in _read(fs, f"{run}/report/index.html")
-    assert fs.get_file_info(pafs.FileSelector(f"{run}/tensorboard"))  # event files, uploaded at the end
-    # retention went through the server too: what is left is what Ray Train's snapshot keeps (best 2 + latest)
-    snapshot = json.loads(_read(fs, f"{run}/checkpoint_manager_snapshot.json"))
-    kept = {result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]}
-    left = {info.base_name for info in fs.get_file_info(pafs.FileSelector(run)) if info.base_name.startswith("checkp")}
-    assert left - {"checkpoint_manager_snapshot.json"} == kept and 1 < len(kept) <= 3, (left, kept)
-    assert latest not in kept
-    assert _scheme_folders(tmp_path, REPO) == []
+    assert summary["latest_checkpoint"].startswith(f"s3://{s3_run.run}/checkpoint_"), summary["latest_checkpoint"]
+    assert "<html" in s3_run.read("report/index.html")
+    assert s3_run.fs.get_file_info(pafs.FileSelector(f"{s3_run.run}/tensorboard"))  # uploaded at the end
+    assert _scheme_folders(s3_run.cwd, REPO) == []
 
-    # the report and evaluate read the run straight from the bucket, without Ray
-    rebuilt = _cli(tmp_path, "raytrain_ddp.report", summary["run_dir"])
-    assert rebuilt.returncode == 0 and rebuilt.stdout.strip() == f"s3://{run}/report/index.html", rebuilt.stderr
-    scored = _cli(tmp_path, "raytrain_ddp.evaluate", summary["best_checkpoint"], "--device", "cpu", "--json")
+
+@pytest.mark.ray
+def test_retention_goes_through_the_server(s3_run):
+    """What is left is what Ray Train's snapshot keeps (best 2 + latest); the corrupt one is not among them."""
+    snapshot = json.loads(s3_run.read("checkpoint_manager_snapshot.json"))
+    kept = {result["checkpoint_dir_name"] for result in snapshot["checkpoint_results"]}
+    listed = s3_run.fs.get_file_info(pafs.FileSelector(s3_run.run))
+    left = {info.base_name for info in listed if info.base_name.startswith("checkp")}
+    assert left - {"checkpoint_manager_snapshot.json"} == kept and 1 < len(kept) <= 3, (left, kept)
+    assert s3_run.corrupted not in kept
+
+
+@pytest.mark.ray
+def test_report_and_evaluate_read_the_run_straight_from_the_bucket_without_ray(s3_run):
+    summary = s3_run.summary()
+    rebuilt = _cli(s3_run.cwd, "raytrain_ddp.report", summary["run_dir"])
+    assert rebuilt.returncode == 0 and rebuilt.stdout.strip() == f"s3://{s3_run.run}/report/index.html", rebuilt.stderr
+    scored = _cli(s3_run.cwd, "raytrain_ddp.evaluate", summary["best_checkpoint"], "--device", "cpu", "--json")
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert json.loads(scored.stdout)["val_accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"])
 
-    # --resume-from: a new run on local disk starts from the bucket run's best checkpoint, trains the epochs after it
+
+@pytest.mark.ray
+def test_a_bucket_runs_best_checkpoint_seeds_a_new_run_on_local_disk(s3_run, ray_address, tmp_path):
+    """--resume-from: the new run starts from it and trains the epochs after it, from the trained weights."""
+    summary = s3_run.summary()
     checkpoint, epoch = summary["best_checkpoint"], summary["best_metrics"]["epoch"]
     local = tmp_path / "local-runs"
     continued = _cli(
@@ -158,109 +202,156 @@ def test_a_run_on_s3_whose_driver_died_resumes_past_a_corrupt_checkpoint_and_see
     )
     assert continued.returncode == 0, continued.stderr[-3000:]
     said = next(line for line in continued.stderr.splitlines() if "Starting from run on-s3's checkpoint " in line)
-    assert f"s3://{run}/" in said and f", at the start of epoch {epoch + 1}" in said, said
+    assert f"s3://{s3_run.run}/" in said and f", at the start of epoch {epoch + 1}" in said, said
     continued_records = [json.loads(line) for line in (local / "continued" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in continued_records] == [epoch + 1]  # the epochs up to the checkpoint came with it
-    first_loss = json.loads(_read(fs, f"{run}/metrics.jsonl").splitlines()[0])["val_loss"]
+    first_loss = json.loads(s3_run.read("metrics.jsonl").splitlines()[0])["val_loss"]
     assert continued_records[0]["val_loss"] < first_loss  # it really carried on from the trained weights
 
 
-@pytest.mark.ray
-def test_fsdp_trains_the_transformer_into_a_bucket_and_its_sharded_checkpoint_reshards_and_consolidates(
-    ray_address, s3_server, tmp_path
-):
+FSDP_SETTINGS = dict(  # the FSDP example's, with the sizes and the schedule FSDP_FLAGS give it
+    model="transformer",
+    dataset="synthetic-tokens",
+    strategy="fsdp",
+    optimizer="adamw",
+    lr=0.003,
+    train_size=1024,
+    val_size=128,
+    clip_grad_norm=1.0,
+    name="fsdp-lm",
+    report=False,
+    tensorboard=False,
+)
+FSDP_FLAGS = ["--train-size", "1024", "--val-size", "128", "--lr-schedule", "constant", "--warmup-epochs", "0"]
+FSDP_FLAGS += ["--no-tensorboard", "--log-every-steps", "4", "--peak-tflops", "2.0"]
+
+
+@dataclass
+class FsdpRun:
+    fs: pafs.S3FileSystem
+    run: str
+    storage: str
+    cwd: Path
+    stdout: str
+    stderr: str
+
+    def read(self, name: str) -> str:
+        return _read(self.fs, f"{self.run}/{name}")
+
+    def records(self, name: str) -> list[dict]:
+        return [json.loads(line) for line in self.read(name).splitlines()]
+
+    def checkpoints(self) -> list[str]:
+        listed = self.fs.get_file_info(pafs.FileSelector(self.run))
+        return sorted(info.base_name for info in listed if info.base_name.startswith("checkpoint_2"))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(ray_address, s3_server, tmp_path_factory) -> FsdpRun:
     """FSDP with the run directory in a bucket: the FSDP example (examples/fsdp_transformer_lm.py), run as a user
     runs it, its flags overriding its settings. fp32: this CPU has no bf16 units (emulated bf16 is several times
-    slower); bf16 x FSDP runs in the flag matrix (tests/test_flag_matrix.py). FSDP's checkpoints are sharded by
-    default, written in the background: every rank's shards are uploaded into one checkpoint directory there,
-    none gathered on rank zero; evaluate and consolidate take the checkpoint's URI; the run continues on 1
-    worker from 2 workers' shards read back from the bucket."""
-    import torch
-
-    from raytrain_ddp import TrainConfig, fit
-    from raytrain_ddp.evaluate import evaluate_checkpoint
-    from raytrain_ddp.worker.checkpoint import consolidate
-
-    fs, run = _fs(s3_server), f"{BUCKET}/sharded/fsdp-lm"
-    settings = dict(  # the example's, with the sizes and the schedule these flags give it
-        model="transformer",
-        dataset="synthetic-tokens",
-        strategy="fsdp",
-        optimizer="adamw",
-        lr=0.003,
-        train_size=1024,
-        val_size=128,
-        clip_grad_norm=1.0,
-        storage_path=_storage(s3_server, "sharded"),
-        name="fsdp-lm",
-        report=False,
-        tensorboard=False,
-    )
-    flags = ["--storage-path", settings["storage_path"], "--train-size", "1024", "--val-size", "128"]
-    flags += ["--lr-schedule", "constant", "--warmup-epochs", "0", "--no-tensorboard"]
-    flags += ["--log-every-steps", "4", "--peak-tflops", "2.0"]
+    slower); bf16 x FSDP runs in the flag matrix (tests/test_flag_matrix.py)."""
+    storage, cwd = _storage(s3_server, "sharded"), tmp_path_factory.mktemp("fsdp")
     example = run_python_file(
-        REPO / "examples" / "fsdp_transformer_lm.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address}, args=flags
+        REPO / "examples" / "fsdp_transformer_lm.py",
+        cwd=cwd,
+        env={"RAY_ADDRESS": ray_address},
+        args=["--storage-path", storage, *FSDP_FLAGS],
     )
     assert example.returncode == 0, example.stderr[-3000:]
-    assert "status: finished" in example.stdout and "FSDP, fp32" in example.stderr, example.stderr[-3000:]
-    summary = json.loads(_read(fs, f"{run}/summary.json"))
-    epochs = [json.loads(line) for line in _read(fs, f"{run}/metrics.jsonl").splitlines()]
-    first, last = epochs
-    # Model FLOPs, counted before sharding: each rank's MFU is its achieved TFLOP/s over the peak given
-    for epoch in epochs:
-        assert all(tflops > 0 for tflops in epoch["model_tflops_per_second_per_rank"])
-        assert epoch["mfu_per_rank"] == pytest.approx([t / 2.0 for t in epoch["model_tflops_per_second_per_rank"]])
-    assert summary["mfu"] == pytest.approx(sum(e["mfu"] for e in epochs) / 2)
-    # Clipping computes the global gradient norm (over both ranks' shards): steps.jsonl records it
-    steps = [json.loads(line) for line in _read(fs, f"{run}/steps.jsonl").splitlines()]
-    assert steps and all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in steps)
+    return FsdpRun(_fs(s3_server), f"{BUCKET}/sharded/fsdp-lm", storage, cwd, example.stdout, example.stderr)
+
+
+@pytest.mark.ray
+def test_the_fsdp_example_trains_the_transformer_below_a_uniform_guess_with_identical_replicas(fsdp_run):
+    assert "status: finished" in fsdp_run.stdout and "FSDP, fp32" in fsdp_run.stderr, fsdp_run.stderr[-3000:]
+    first, last = fsdp_run.records("metrics.jsonl")
     assert first["train_loss"] < math.log(64)  # below a uniform guess over the vocabulary...
     assert last["val_loss"] < 0.75 * math.log(64)  # ...and clearly below it after two epochs
     assert last["val_identical_across_ranks"]
-    assert summary["replicas_identical"]
-    # A language model's checkpoints are ranked by validation loss, lowest best (its token accuracy is no goal)
+    assert json.loads(fsdp_run.read("summary.json"))["replicas_identical"]
+
+
+@pytest.mark.ray
+def test_fsdp_mfu_counts_the_model_flops_before_sharding_and_clipping_records_the_global_norm(fsdp_run):
+    """Each rank's MFU is its achieved TFLOP/s over the peak given; the global gradient norm is over both ranks'
+    shards."""
+    epochs = fsdp_run.records("metrics.jsonl")
+    for epoch in epochs:
+        assert all(tflops > 0 for tflops in epoch["model_tflops_per_second_per_rank"])
+        assert epoch["mfu_per_rank"] == pytest.approx([t / 2.0 for t in epoch["model_tflops_per_second_per_rank"]])
+    assert json.loads(fsdp_run.read("summary.json"))["mfu"] == pytest.approx(sum(e["mfu"] for e in epochs) / 2)
+    steps = fsdp_run.records("steps.jsonl")
+    assert steps and all(math.isfinite(s["grad_norm"]) and s["grad_norm"] > 0 for s in steps)
+
+
+@pytest.mark.ray
+def test_a_language_models_checkpoints_are_ranked_by_validation_loss_lowest_best(fsdp_run):
+    """Its token accuracy is no goal."""
+    summary, (first, last) = json.loads(fsdp_run.read("summary.json")), fsdp_run.records("metrics.jsonl")
     assert summary["checkpoints_ranked_by"] == "val_loss (min)"
     assert summary["best_metrics"]["val_loss"] == min(first["val_loss"], last["val_loss"])
 
-    # Sharded (the default for FSDP, as config.toml records): each rank wrote its shards, none gathered them;
-    # both epochs' checkpoints counted by Ray Train, the last one waited for before the run ended.
-    assert 'checkpoint_format = "sharded"' in _read(fs, f"{run}/config.toml")
-    best, latest = summary["best_checkpoint"], summary["latest_checkpoint"]
-    listed = fs.get_file_info(pafs.FileSelector(run))
-    names = sorted(info.base_name for info in listed if info.base_name.startswith("checkpoint_2"))
+
+@pytest.mark.ray
+def test_fsdp_checkpoints_are_each_ranks_shards_in_one_bucket_folder_none_gathered(fsdp_run):
+    """Sharded (FSDP's default, as config.toml records); both epochs' checkpoints counted by Ray Train, the last
+    one waited for before the run ended."""
+    assert 'checkpoint_format = "sharded"' in fsdp_run.read("config.toml")
+    latest, names = json.loads(fsdp_run.read("summary.json"))["latest_checkpoint"], fsdp_run.checkpoints()
     assert len(names) == 2 and latest.split("?")[0].rsplit("/", 1)[1] == names[-1], (names, latest)
     for name in names:
-        stored = fs.get_file_info(pafs.FileSelector(f"{run}/{name}", recursive=True))
-        files = {info.path.removeprefix(f"{run}/{name}/") for info in stored if info.type == pafs.FileType.File}
+        stored = fsdp_run.fs.get_file_info(pafs.FileSelector(f"{fsdp_run.run}/{name}", recursive=True))
+        files = {
+            info.path.removeprefix(f"{fsdp_run.run}/{name}/") for info in stored if info.type == pafs.FileType.File
+        }
         assert {"training_state.pt", "shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp"} <= files
-        assert "checkpoint.pt" not in files  # nothing gathered on rank zero
-    # A single-process model gives the same numbers, from the shards in the bucket or their consolidated file.
+        assert "checkpoint.pt" not in files
+
+
+@pytest.mark.ray
+def test_one_process_scores_the_shards_in_the_bucket_and_their_consolidated_file_alike(fsdp_run, tmp_path):
+    import torch
+
+    from raytrain_ddp.evaluate import evaluate_checkpoint
+    from raytrain_ddp.worker.checkpoint import consolidate
+
+    summary, last = json.loads(fsdp_run.read("summary.json")), fsdp_run.records("metrics.jsonl")[-1]
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        scored = evaluate_checkpoint(best)
+        scored = evaluate_checkpoint(summary["best_checkpoint"])
     assert not [str(w.message) for w in warned if "torch.distributed" in str(w.message)]  # a quiet console
     assert scored["val_loss"] == pytest.approx(last["val_loss"], rel=1e-3)
     assert scored["val_rows"] == 128
-    consolidated = consolidate(latest, tmp_path / "consolidated")
+    consolidated = consolidate(summary["latest_checkpoint"], tmp_path / "consolidated")
     full = torch.load(consolidated, weights_only=True)
     assert full["epoch"] == 2 and "token_embedding.weight" in full["model"]  # the built-in transformer's, whole
-    assert evaluate_checkpoint(str(consolidated))["val_loss"] == evaluate_checkpoint(latest)["val_loss"]
+    assert (
+        evaluate_checkpoint(str(consolidated))["val_loss"]
+        == evaluate_checkpoint(summary["latest_checkpoint"])["val_loss"]
+    )
 
-    # Continue the same run on ONE worker, its latest checkpoint's shard truncated on the server: set aside,
-    # the one before (epoch 1's, written by 2 ranks) reshards onto 1.
-    shard = f"{run}/{names[-1]}/shards/__1_0.distcp"
-    with fs.open_input_stream(shard) as stream:
+
+@pytest.mark.ray
+def test_the_fsdp_run_goes_on_with_one_worker_resharding_past_a_truncated_shard(fsdp_run):
+    """Its latest checkpoint's shard truncated on the server: set aside, and the one before (epoch 1's, written by
+    2 ranks) reshards onto 1. (Last in this file: it changes the run the tests above read.)"""
+    from raytrain_ddp import TrainConfig, fit
+
+    last, names = fsdp_run.records("metrics.jsonl")[-1], fsdp_run.checkpoints()
+    shard = f"{fsdp_run.run}/{names[-1]}/shards/__1_0.distcp"
+    with fsdp_run.fs.open_input_stream(shard) as stream:
         head = stream.read(1000)
-    with fs.open_output_stream(shard) as stream:
+    with fsdp_run.fs.open_output_stream(shard) as stream:
         stream.write(head)
-    resumed = fit(TrainConfig(num_workers=1, epochs=3, **settings))
+    resumed = fit(TrainConfig(num_workers=1, epochs=3, storage_path=fsdp_run.storage, **FSDP_SETTINGS))
     assert resumed.ok, resumed.summary["error"]
-    assert fs.get_file_info(f"{run}/corrupt/{names[-1]}/shards/__1_0.distcp").type == pafs.FileType.File
-    assert [json.loads(line)["epoch"] for line in _read(fs, f"{run}/metrics.jsonl").splitlines()] == [1, 2, 3]
+    kept = fsdp_run.fs.get_file_info(f"{fsdp_run.run}/corrupt/{names[-1]}/shards/__1_0.distcp")
+    assert kept.type == pafs.FileType.File
+    assert [record["epoch"] for record in fsdp_run.records("metrics.jsonl")] == [1, 2, 3]
     assert resumed.epochs[-1]["samples_per_rank"] == [1024]
     assert resumed.epochs[-1]["val_loss"] < last["val_loss"]
-    assert _scheme_folders(tmp_path, REPO) == []
+    assert _scheme_folders(fsdp_run.cwd, REPO) == []
 
 
 def test_the_run_lock_is_an_object_in_the_bucket(s3_server, tmp_path, monkeypatch):
