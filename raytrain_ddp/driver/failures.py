@@ -140,4 +140,4 @@ def _unwrapped(error: BaseException) -> BaseException:
 
 
 # TorchTrainer with that rule in its failure policy (and Ctrl-C left to fit())
-Trainer = _ray_compat.torch_trainer(may_retry)
+RetryRuleTorchTrainer = _ray_compat.torch_trainer(may_retry)
