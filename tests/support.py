@@ -243,7 +243,6 @@ def rank_epoch_message(rank: int, **overrides) -> dict:
         "train_loss": 1.0 + rank,
         "samples": 100 * (rank + 1),
         "micro_batches": 4,
-        "steps": 4,
         "optimizer_steps": 4,
         "skipped_steps": 0,
         "grad_allreduces": 4,

@@ -162,7 +162,7 @@ class RankField:
 
 RANK_FIELDS = [
     RankField("samples_per_rank", "samples", ",.0f"),
-    RankField("steps_per_rank", "steps", ",.0f"),
+    RankField("micro_batches_per_rank", "micro-batches", ",.0f"),
     RankField(
         "throughput_per_rank",
         "samples/s",
