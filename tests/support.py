@@ -192,7 +192,7 @@ def wandb_offline_runs(run_dir: Path) -> list[dict]:
 
 @contextlib.contextmanager
 def one_process_group():
-    """A real one-process gloo group in this process (what a worker's Trainer or ShardedSaver needs), torn down
+    """A real one-process gloo group in this process (what a worker's RankTrainer or ShardedSaver needs), torn down
     after the block."""
     import torch.distributed as dist
 
