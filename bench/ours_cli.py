@@ -4,7 +4,7 @@ Calls `raytrain_ddp.run.main(CLI ARGS)` (the `python -m raytrain_ddp.run`
 entry point, in this process) after swapping the worker loop Ray Train ships
 to the workers for a wrapper that records, on rank 0, when each epoch's loop
 starts and when each optimizer step ends (one
-time.time() and a list append per step, hooked on Trainer.optimizer_step's
+time.time() and a list append per step, hooked on RankTrainer.optimizer_step's
 return: the same event plain_ddp.py records, right after optimizer.step();
 EpochMeter.add only counts the rows since the last step; nothing else in the
 loop changes).
@@ -30,7 +30,7 @@ def probed(loop, probe_out: str):
 
         events: list = []
         rows = [0]  # rows trained since the last optimizer step
-        epoch_meter, optimizer_step = loop_module.EpochMeter, loop_module.Trainer.optimizer_step
+        epoch_meter, optimizer_step = loop_module.EpochMeter, loop_module.RankTrainer.optimizer_step
 
         def recording_meter(*args, **kwargs):
             events.append(("e", time.time()))
@@ -50,11 +50,11 @@ def probed(loop, probe_out: str):
             rows[0] = 0
             return stepped
 
-        loop_module.EpochMeter, loop_module.Trainer.optimizer_step = recording_meter, recording_step
+        loop_module.EpochMeter, loop_module.RankTrainer.optimizer_step = recording_meter, recording_step
         try:
             loop(loop_config)
         finally:
-            loop_module.EpochMeter, loop_module.Trainer.optimizer_step = epoch_meter, optimizer_step
+            loop_module.EpochMeter, loop_module.RankTrainer.optimizer_step = epoch_meter, optimizer_step
             if ray.train.get_context().get_world_rank() == 0:
                 with open(probe_out, "w") as f:
                     json.dump(

@@ -243,7 +243,7 @@ def torch_trainer(may_retry: Callable[[BaseException], bool]) -> Any:
         def _is_retryable_error(self, training_failed_error) -> bool:
             return may_retry(training_failed_error) and super()._is_retryable_error(training_failed_error)
 
-    class Trainer(TorchTrainer):
+    class RetryRuleTorchTrainer(TorchTrainer):
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             controller_init_kwargs["failure_policy"] = RetryRulePolicy(self.run_config.failure_config)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
@@ -251,7 +251,7 @@ def torch_trainer(may_retry: Callable[[BaseException], bool]) -> Any:
         def _register_sigint_handler(self, controller) -> None:
             pass
 
-    return Trainer
+    return RetryRuleTorchTrainer
 
 
 def wrapped_error(error: BaseException) -> BaseException | None:

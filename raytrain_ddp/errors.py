@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from raytrain_ddp.redact import redact
@@ -42,6 +42,14 @@ class RunTakenOver(Exception):
 def plural(count: int, noun: str) -> str:
     """'1 worker', '2 workers', '0 epochs': a count with the noun agreeing (every message says counts this way)."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def named(noun: str, items: Iterable) -> str:
+    """'rank 1', 'ranks 0, 3', 'no ranks': the items a message names, the noun agreeing with how many."""
+    items = list(items)
+    if not items:
+        return f"no {noun}s"
+    return f"{noun}{'s' if len(items) > 1 else ''} {', '.join(map(str, items))}"
 
 
 def one_line(exc: BaseException) -> str:

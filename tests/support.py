@@ -192,7 +192,7 @@ def wandb_offline_runs(run_dir: Path) -> list[dict]:
 
 @contextlib.contextmanager
 def one_process_group():
-    """A real one-process gloo group in this process (what a worker's Trainer or ShardedSaver needs), torn down
+    """A real one-process gloo group in this process (what a worker's RankTrainer or ShardedSaver needs), torn down
     after the block."""
     import torch.distributed as dist
 
@@ -243,7 +243,6 @@ def rank_epoch_message(rank: int, **overrides) -> dict:
         "train_loss": 1.0 + rank,
         "samples": 100 * (rank + 1),
         "micro_batches": 4,
-        "steps": 4,
         "optimizer_steps": 4,
         "skipped_steps": 0,
         "grad_allreduces": 4,

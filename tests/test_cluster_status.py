@@ -61,7 +61,7 @@ def test_python_api_elastic_start_on_uneven_data(ray_address, tmp_path):
     assert result.summary["world_size"] == 2 and result.summary["global_batch_size"] == 100
     for epoch in result.epochs:
         assert epoch["samples_per_rank"] == [500, 500]  # equal shards: one row left out this epoch
-        assert epoch["steps_per_rank"] == [10, 10]  # same step count on every rank: no DDP hang
+        assert epoch["micro_batches_per_rank"] == [10, 10]  # the same count on every rank: no DDP hang
         assert epoch["val_rows"] == 301  # validation is exact, even when uneven across ranks
         assert epoch["lr"] == pytest.approx(0.04), epoch
     assert result.summary["replicas_identical"]

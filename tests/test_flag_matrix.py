@@ -2,7 +2,7 @@
 
 One process, one single-rank gloo process group: each combination goes through
 the real model builder, `strategy.distribute` (DDP or FSDP2) and the loop's own
-`Trainer.micro_batch` / `optimizer_step`, with gradient accumulation; no Ray.
+`RankTrainer.micro_batch` / `optimizer_step`, with gradient accumulation; no Ray.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from raytrain_ddp.data.pipeline import synthetic_spec
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.evaluate import evaluate_checkpoint
 from raytrain_ddp.models import build_model
-from raytrain_ddp.worker.loop import Trainer
+from raytrain_ddp.worker.loop import RankTrainer
 
 DATASETS = {"cnn": "synthetic", "mlp": "synthetic-tabular", "transformer": "synthetic-tokens"}
 BATCH = 4
@@ -58,7 +58,7 @@ def _config(model: str, **flags) -> TrainConfig:
 
 def _train(config: TrainConfig, optimizer_steps: int = 2) -> list[float]:
     spec = synthetic_spec(config)
-    trainer = Trainer(config, spec, torch.device("cpu"), {}, world_size=1)
+    trainer = RankTrainer(config, spec, torch.device("cpu"), {}, world_size=1)
     losses = []
     for micro in range(1, optimizer_steps * config.grad_accum + 1):
         synchronise = micro % config.grad_accum == 0

@@ -38,7 +38,6 @@ METRICS_FIELDS = [
     "samples_per_second",
     "samples_per_rank",
     "micro_batches_per_rank",
-    "steps_per_rank",
     "optimizer_steps_per_rank",
     "skipped_steps_per_rank",
     "grad_allreduces_per_rank",
@@ -297,8 +296,10 @@ def test_the_progress_line_rates_the_epoch_from_its_first_heartbeat_not_from_its
     clock = iter([100.0, 100.0, 130.0, 130.0])
     monkeypatch.setattr(console_module.time, "monotonic", lambda: next(clock))
     console = console_module.Console(total_epochs=3)
-    console.show_progress({0: _training_beat(2, 2, 64), 1: _training_beat(2, 2, 64)}, steps_per_epoch=64)
-    line = console.progress_line({0: _training_beat(2, 36, 1152), 1: _training_beat(2, 36, 1152)}, steps_per_epoch=64)
+    console.show_progress({0: _training_beat(2, 2, 64), 1: _training_beat(2, 2, 64)}, micro_batches_per_epoch=64)
+    line = console.progress_line(
+        {0: _training_beat(2, 36, 1152), 1: _training_beat(2, 36, 1152)}, micro_batches_per_epoch=64
+    )
     assert line.startswith("epoch 2/3: step 36/64, 73 samples/s, epoch ETA 25s"), line
 
 
@@ -306,7 +307,9 @@ def test_the_progress_line_says_no_rate_before_there_is_a_stretch_to_measure(mon
     from raytrain_ddp.driver import console as console_module
 
     monkeypatch.setattr(console_module.time, "monotonic", lambda: 100.0)
-    line = console_module.Console(total_epochs=3).progress_line({0: _training_beat(1, 36, 1152)}, steps_per_epoch=64)
+    line = console_module.Console(total_epochs=3).progress_line(
+        {0: _training_beat(1, 36, 1152)}, micro_batches_per_epoch=64
+    )
     assert line == "epoch 1/3: step 36/64, loss 0.5000", line
 
 
@@ -389,6 +392,15 @@ def test_a_large_worlds_epoch_gives_the_sinks_each_figures_spread_not_a_scalar_p
     scalars = epoch_scalars(record)
     assert scalars["train_loss/max"] == 1.0 + world - 1 and scalars["data_wait/median"] == 0.01
     assert not [tag for tag in scalars if "/rank_" in tag] and "val_loss/max" not in scalars  # identical on all
+
+
+def test_the_sinks_count_each_ranks_micro_batches_under_that_name_alone():
+    """A rank's micro-batches go to TensorBoard, MLflow and W&B once, as micro_batches/rank_R (not also as steps)."""
+    from raytrain_ddp.driver.tensorboard_log import epoch_scalars
+
+    scalars = epoch_scalars(aggregate_epoch({r: rank_epoch_message(r) for r in range(2)}, TrainConfig()))
+    assert scalars["micro_batches/rank_0"] == scalars["micro_batches/rank_1"] == 4
+    assert not [tag for tag in scalars if tag.startswith("steps/")]
 
 
 def test_a_large_worlds_stall_names_the_ranks_furthest_behind_and_counts_the_rest():

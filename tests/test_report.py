@@ -106,6 +106,8 @@ def test_page_is_self_contained_and_complete(report, trained_run):
     assert summary["best_checkpoint"] in text
     assert summary["workers"][0]["hostname"] in text and summary["param_checksums"][0] in text
     assert "train_size" in text and "4096" in text  # the configuration table
+    workers = page[page.index('id="workers"') : page.index('id="epochs"')]
+    assert "<th>micro-batches</th>" in workers and "<th>steps</th>" not in workers  # counted by their own name
 
 
 def test_profile_section_lists_each_ranks_top_operators(report, trained_run):

@@ -90,7 +90,7 @@ def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step_and_a_comp
     assert whole.final_metrics["val_accuracy"] > 0.5 and whole.summary["replicas_identical"]
 
     record = accumulated.epochs[0]
-    assert record["steps_per_rank"] == [16, 16]  # micro-batches: 512 rows per rank / 32
+    assert record["micro_batches_per_rank"] == [16, 16]  # micro-batches: 512 rows per rank / 32
     assert record["optimizer_steps_per_rank"] == [8, 8]
     # The MLP's gradients fit one DDP bucket: one all-reduce per synchronising backward.
     assert record["grad_allreduces_per_rank"] == [8, 8]

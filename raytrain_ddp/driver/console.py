@@ -73,9 +73,9 @@ class Console:
         ]
         log.info("step %d: %s", record["step"], ", ".join(figures))
 
-    def progress_line(self, positions: dict[int, dict], steps_per_epoch: int) -> str | None:
-        """Step, samples/s, ETA and mean loss of the epoch in flight, over all ranks (`positions`: each rank's
-        latest heartbeat)."""
+    def progress_line(self, positions: dict[int, dict], micro_batches_per_epoch: int) -> str | None:
+        """Step (micro-batches started by the rank furthest behind), samples/s, ETA and mean loss of the epoch in
+        flight, over all ranks (`positions`: each rank's latest heartbeat; `micro_batches_per_epoch`: a rank's)."""
         if not positions:
             return None
         epoch = max(p["epoch"] for p in positions.values())
@@ -84,12 +84,13 @@ class Console:
             return None
         samples = sum(p["samples"] for p in current)
         rate = self._rate(epoch, samples)
-        step = min(p["steps"] for p in current)
+        micro_batches = min(p["steps"] for p in current)
         speed = f", {rate:,.0f} samples/s" if rate is not None else ""
-        eta = f", epoch ETA {(steps_per_epoch - step) * (samples / max(step, 1)) / rate:.0f}s" if rate else ""
+        left = micro_batches_per_epoch - micro_batches
+        eta = f", epoch ETA {left * (samples / max(micro_batches, 1)) / rate:.0f}s" if rate else ""
         losses = [p["loss"] for p in current if p["loss"] == p["loss"]]  # NaN before a rank's first step
         loss = f", loss {statistics.fmean(losses):.4f}" if losses else ""
-        return f"epoch {epoch}/{self.total_epochs}: step {step}/{steps_per_epoch}{speed}{eta}{loss}"
+        return f"epoch {epoch}/{self.total_epochs}: step {micro_batches}/{micro_batches_per_epoch}{speed}{eta}{loss}"
 
     def _rate(self, epoch: int, samples: int) -> float | None:
         """Samples/s since the epoch was first seen; None until there is a stretch to measure (a rate over no
@@ -101,9 +102,9 @@ class Console:
             return None
         return (samples - self._rate_start[1]) / elapsed
 
-    def show_progress(self, positions: dict[int, dict], steps_per_epoch: int) -> None:
+    def show_progress(self, positions: dict[int, dict], micro_batches_per_epoch: int) -> None:
         """Called on every heartbeat: the rate's start is set then, not when a line is first logged."""
-        line = self.progress_line(positions, steps_per_epoch)
+        line = self.progress_line(positions, micro_batches_per_epoch)
         if self.interactive and line:
             sys.stderr.write(f"\r\033[K  {line}")
             sys.stderr.flush()

@@ -41,7 +41,6 @@ def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
         "samples_per_second": sum(samples) / seconds,
         "samples_per_rank": samples,
         "micro_batches_per_rank": [m["micro_batches"] for m in ranks],
-        "steps_per_rank": [m["micro_batches"] for m in ranks],  # the old name of micro_batches_per_rank
         "optimizer_steps_per_rank": [m["optimizer_steps"] for m in ranks],
         "skipped_steps_per_rank": [m["skipped_steps"] for m in ranks],
         "grad_allreduces_per_rank": [m["grad_allreduces"] for m in ranks],

@@ -17,7 +17,15 @@ import ray.exceptions
 from ray.train import WorkerGroupError
 
 from raytrain_ddp import _ray_compat
-from raytrain_ddp.errors import DataReadError, ScriptFailed, ScriptKilled, StorageFull, failure_line, full_storage_error
+from raytrain_ddp.errors import (
+    DataReadError,
+    ScriptFailed,
+    ScriptKilled,
+    StorageFull,
+    failure_line,
+    full_storage_error,
+    named,
+)
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
 DETERMINISTIC_TYPES = (
@@ -94,10 +102,7 @@ def describe_failure(error: BaseException) -> str:
     ranks_by_line: dict[str, list[int]] = {}  # ranks that failed alike are named once, together
     for rank, exc in sorted(failures.items()):
         ranks_by_line.setdefault(failure_line(exc), []).append(rank)
-    return "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {line}"
-        for line, ranks in ranks_by_line.items()
-    )
+    return "; ".join(f"{named('rank', ranks)}: {line}" for line, ranks in ranks_by_line.items())
 
 
 def _first_script_failure(failures: dict[int, ScriptFailed]) -> str:
@@ -105,7 +110,7 @@ def _first_script_failure(failures: dict[int, ScriptFailed]) -> str:
     as torchrun names its "root cause"."""
     first = min(failures, key=lambda rank: (failures[rank].exited_at, rank))
     others = sorted(set(failures) - {first})
-    then = f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} too" if others else ""
+    then = f"; then {named('rank', others)} too" if others else ""
     return f"rank {first}: {failure_line(failures[first])}{then}"
 
 
@@ -135,4 +140,4 @@ def _unwrapped(error: BaseException) -> BaseException:
 
 
 # TorchTrainer with that rule in its failure policy (and Ctrl-C left to fit())
-Trainer = _ray_compat.torch_trainer(may_retry)
+RetryRuleTorchTrainer = _ray_compat.torch_trainer(may_retry)

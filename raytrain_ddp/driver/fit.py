@@ -30,7 +30,7 @@ from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock, tracker
 from raytrain_ddp.driver.console import finished_text
-from raytrain_ddp.driver.failures import Trainer, describe_failure, storage_full_in
+from raytrain_ddp.driver.failures import RetryRuleTorchTrainer, describe_failure, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
@@ -270,7 +270,7 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
     metric, mode = config.checkpoint_ranking(work.data_kind)  # mid-epoch checkpoints score the worst (worker/loop.py)
     train_loop, loop_config, datasets, dataset_config = work.trainer_parts(config, monitor)
-    return Trainer(
+    return RetryRuleTorchTrainer(
         train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(

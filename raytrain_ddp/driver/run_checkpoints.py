@@ -37,7 +37,7 @@ from raytrain_ddp.worker.checkpoint import (
 
 log = logging.getLogger("raytrain_ddp")
 
-# What a worker reads when it resumes (raytrain_ddp/worker: Trainer.restore, checkpoint.load, position_of)
+# What a worker reads when it resumes (raytrain_ddp/worker: RankTrainer.restore, checkpoint.load, position_of)
 REQUIRED_KEYS = (
     "model",
     "optimizer",

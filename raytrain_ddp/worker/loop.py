@@ -143,7 +143,7 @@ class EpochRun:
 REPLAYED_SETTINGS = ("seed", "batch_size", "grad_accum")
 
 
-class Trainer:
+class RankTrainer:
     """Model, optimizer, schedule and scaler of one rank, and the two things done with them per batch."""
 
     def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, plugins: dict, world_size: int):
@@ -311,7 +311,7 @@ class WorkerLoop:
         self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
         if config.compile:
             self.heartbeat.follow_compiles()
-        self.trainer = Trainer(config, self.spec, device, plugins, world_size)
+        self.trainer = RankTrainer(config, self.spec, device, plugins, world_size)
         if self.trainer.sharded_saver is not None:
             self.trainer.sharded_saver.progress = self.heartbeat.writing_checkpoint
         self.feed = DeviceFeed(self.spec, device)
@@ -486,7 +486,6 @@ class WorkerLoop:
             "train_loss": meter.loss,
             "samples": meter.samples,
             "micro_batches": micro_batches,
-            "steps": micro_batches,  # "steps": the old name, for one release
             "optimizer_steps": run.optimizer_steps,
             "skipped_steps": run.skipped_steps,
             "grad_allreduces": trainer.grad_syncs.calls if config.strategy == "ddp" else None,  # FSDP: not counted
