@@ -276,28 +276,14 @@ def test_catches_reads_a_real_processes_signal_handlers():
     assert not catches(child.pid, signal.SIGUSR1)  # gone
 
 
-def _ray_nodes(count: int, cpus: float = 64.0, gpus: float = 8.0) -> list[dict]:
-    """`ray.nodes()` of a cluster of `count` nodes (data shaped as Ray answers it), plus one node that died."""
-    alive = [
-        {
-            "NodeID": f"{i:056x}",
-            "Alive": True,
-            "NodeManagerAddress": f"10.0.{i // 256}.{i % 256}",
-            "NodeManagerHostname": f"node-{i:03d}.cluster",
-            "Resources": {"CPU": cpus, "GPU": gpus, "memory": 512 * 2**30},
-        }
-        for i in range(count)
-    ]
-    return [*alive, {**alive[0], "NodeID": "gone", "Alive": False}]
-
-
 def test_the_join_wait_names_a_bounded_list_of_the_nodes_it_waits_on_and_gives_up_naming_them():
+    from bench.bringup import fake_ray_nodes
     from raytrain_ddp.cluster.plan import NODES_NAMED, join_failure, join_progress, missing_from
     from raytrain_ddp.driver.preflight import node_rows
 
     nodes = [f"node-{i:03d}" for i in range(512)]
     reported = {i: (f"node-{i:03d}", f"10.0.{i // 256}.{i % 256}") for i in range(500)}  # 12 never reported
-    table = [row for row in node_rows(_ray_nodes(512)) if int(row["hostname"][5:8]) < 412]  # node-000..411 joined
+    table = [row for row in node_rows(fake_ray_nodes(512)) if int(row["hostname"][5:8]) < 412]  # node-000..411 joined
     missing = missing_from(nodes, reported, table)
     assert len(missing) == 100 and missing["node-412"] == "node-412 (10.0.1.156)"
     assert missing["node-511"] == "node-511 (its ray start has not reported an address)"
@@ -312,41 +298,22 @@ def test_the_join_wait_names_a_bounded_list_of_the_nodes_it_waits_on_and_gives_u
     assert join_progress(1, 2, ["b"]) == "1 of 2 nodes joined, waiting on: b"  # a small job: every name, no count
 
 
-def test_preflight_describes_a_large_cluster_by_its_node_shapes_and_packs_it_in_one_pass():
-    import random
-
+def test_preflight_describes_a_large_cluster_by_its_node_shapes_in_a_bounded_line():
+    from bench.bringup import fake_ray_nodes
     from raytrain_ddp import TrainConfig
-    from raytrain_ddp.driver.preflight import describe, most_workers, node_rows
+    from raytrain_ddp.driver.preflight import check_fits, describe, most_workers, node_rows
 
-    table = node_rows(_ray_nodes(511) + _ray_nodes(1, cpus=32.0, gpus=4.0)[:1])
+    table = node_rows(fake_ray_nodes(511) + fake_ray_nodes(1, cpus=32.0, gpus=4.0)[:1])
     assert len(table) == 512
     assert describe(table) == "511 nodes of 64 CPU, 8 GPU, 512.0 GiB; 1 node of 32 CPU, 4 GPU, 512.0 GiB"
     small = "10.0.0.0: 64 CPU, 8 GPU, 512.0 GiB; 10.0.0.1: 64 CPU, 8 GPU, 512.0 GiB"
-    assert describe(node_rows(_ray_nodes(2))) == small  # a few nodes: each by its address
+    assert describe(node_rows(fake_ray_nodes(2))) == small  # a few nodes: each by its address
 
-    shuffle = random.Random(37)
-    for _ in range(200):
-        nodes = [
-            {"cpus": float(shuffle.choice([1, 2, 3, 4, 8])), "gpus": float(shuffle.choice([0, 1, 2]))}
-            for _ in range(shuffle.randint(1, 6))
-        ]
-        config = TrainConfig(cpus_per_worker=shuffle.choice([1, 2, 3]), use_gpu=shuffle.random() < 0.3)
-        assert most_workers(config, nodes) == _most_by_trying(config, nodes), (nodes, config.cpus_per_worker)
     # every node full but the small one, packed last: one worker fewer there leaves it a CPU for data loading
     assert most_workers(TrainConfig(cpus_per_worker=8, use_gpu=True), table) == 511 * 8 + 3
-
-
-def _most_by_trying(config, nodes: list[dict]) -> int:
-    """The most workers that fit, leaving some node a CPU for data loading, tried count by count (the reference)."""
-    from raytrain_ddp.driver.preflight import DATA_LOADING_CPUS, workers_that_fit
-
-    ordered = sorted(nodes, key=lambda n: -workers_that_fit(n, config))
-    for workers in range(sum(workers_that_fit(n, config) for n in nodes), 0, -1):
-        left, todo = [], workers
-        for node in ordered:
-            placed = min(workers_that_fit(node, config), todo)
-            todo -= placed
-            left.append(node["cpus"] - placed * config.cpus_per_worker)
-        if max(left) >= DATA_LOADING_CPUS:
-            return workers
-    return 0
+    with pytest.raises(ConfigError) as refused:  # one worker per GPU takes every CPU: none left for data loading
+        check_fits(TrainConfig(num_workers=511 * 8 + 4, cpus_per_worker=8, use_gpu=True), table)
+    assert str(refused.value).startswith("asked for 4092 workers x 8 CPU + 1 GPU, but the 512 node(s) hold 4091 ")
+    assert str(refused.value).endswith(
+        "(511 nodes of 64 CPU, 8 GPU, 512.0 GiB; 1 node of 32 CPU, 4 GPU, 512.0 GiB); try --num-workers 4091"
+    )

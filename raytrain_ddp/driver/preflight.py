@@ -164,20 +164,21 @@ def check_fits(config: TrainConfig, nodes: list[dict]) -> int:
 
 
 def most_workers(config: TrainConfig, nodes: list[dict]) -> int:
-    """The most workers that fit, leaving some node a whole CPU for data loading.
+    """The most workers that fit, leaving some node a whole CPU for data loading."""
+    packed = sum(workers_that_fit(n, config) for n in nodes)
+    return next(
+        (n for n in range(packed, 0, -1) if max(cpus_left_after_packing(config, nodes, n)) >= DATA_LOADING_CPUS), 0
+    )
 
-    Ray's PACK fills the nodes fullest first; node k, after the ones before it took `before` workers, keeps
-    its CPU for as many as `before` plus the workers it can take and still keep one: the most is the best of
-    those over the nodes (one pass, not a try per worker count: 512 nodes of 64 CPUs took seconds)."""
-    ordered = sorted(((node, workers_that_fit(node, config)) for node in nodes), key=lambda item: -item[1])
-    packed, before, most = sum(fits for _, fits in ordered), 0, 0
-    for node, fits in ordered:
-        spare = node["cpus"] - DATA_LOADING_CPUS
-        if spare >= 0:
-            keeps_cpu_for = math.floor(spare / config.cpus_per_worker + 1e-9)
-            most = max(most, packed if keeps_cpu_for >= fits else before + keeps_cpu_for)
-        before += fits
-    return min(most, packed)
+
+def cpus_left_after_packing(config: TrainConfig, nodes: list[dict], workers: int) -> list[float]:
+    """CPUs each node keeps once `workers` are packed onto nodes, fullest first, as Ray's PACK does."""
+    left = []
+    for node in sorted(nodes, key=lambda n: -workers_that_fit(n, config)):
+        placed = min(workers_that_fit(node, config), workers)
+        workers -= placed
+        left.append(node["cpus"] - placed * config.cpus_per_worker)
+    return left
 
 
 CUDA_PROBE_TIMEOUT_S = 60  # a node whose GPUs are all busy cannot run the probe: it is skipped
