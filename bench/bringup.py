@@ -27,7 +27,7 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import ROOT  # noqa: F401  (puts the repository on sys.path for `python bench/bringup.py`)
+from bench.common import ROOT, markdown_table, publish  # noqa: F401  (ROOT: the repository on sys.path)
 from raytrain_ddp.cluster import node, plan
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight
@@ -154,7 +154,7 @@ def table(results: list[dict]) -> str:
         f"| {r['preflight_message_chars']} |"
         for r in results
     ]
-    return "\n".join([header, "|---" * 9 + "|", *rows])
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [measure(count) for count in args.nodes]
     for result in results:
         log.info("%s", json.dumps(result))
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    publish(results, table(results), args.json)
     return 0
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import ray
 
-from bench.common import ROOT  # noqa: F401  (puts the repository on sys.path for `python bench/scale.py`)
+from bench.common import ROOT, markdown_table, publish  # noqa: F401  (ROOT: the repository on sys.path)
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight, watchdog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
@@ -297,7 +297,7 @@ def table(results: list[dict]) -> str:
         f"| {_bytes(r['epoch_record_bytes'])} | {_bytes(r['step_record_bytes'])} | {r['sender_behind_s']} |"
         for r in results
     ]
-    return "\n".join([header, "|---" * 9 + "|", *rows])
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(measure(ranks, args.hang_timeout_s, Path(run_root)))
             log.info("%s", json.dumps(results[-1]))
     ray.shutdown()
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    publish(results, table(results), args.json)
     return 0
 
 
