@@ -360,9 +360,9 @@ def job_plan(
 NODES_NAMED = 10  # a join wait's message names this many missing nodes, then counts the others
 
 
-def some_names(names: list[str], shown: int = NODES_NAMED) -> str:
+def some_names(names: list[str], shown: int = NODES_NAMED, sep: str = ", ") -> str:
     """'a, b, c' or, past `shown` names, 'a, b, ... and 502 more': a bounded list for one log line."""
-    listed = ", ".join(names[:shown])
+    listed = sep.join(names[:shown])
     return listed if len(names) <= shown else f"{listed} and {len(names) - shown} more"
 
 

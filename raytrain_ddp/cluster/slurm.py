@@ -44,7 +44,6 @@ from raytrain_ddp.cluster.node import (
 from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import (
     EXIT_BRINGUP,
-    NODES_NAMED,
     JobPlan,
     hostport,
     join_failure,
@@ -587,7 +586,7 @@ class Launcher:
                 if dead or time.monotonic() > deadline:
                     errors = [e for e in map(self.node_error, dead) if e]
                     why = (
-                        "; ".join(errors[:NODES_NAMED])
+                        some_names(errors, sep="; ")
                         if errors
                         else f"ray start exited on {some_names([plan.nodes[i] for i in dead])}"
                         if dead
