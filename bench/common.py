@@ -56,3 +56,15 @@ def first_step_time(events: list) -> float:
 
 def write_json(path: str | Path, obj: dict) -> None:
     Path(path).write_text(json.dumps(obj))
+
+
+def markdown_table(header: str, rows: list[str]) -> str:
+    """A Markdown table of its header line (`| a | b |`) and row lines."""
+    return "\n".join([header, "|---" * (header.count("|") - 1) + "|", *rows])
+
+
+def publish(results: list[dict], table: str, json_path: Path | None) -> None:
+    """A bench's figures: its table printed, and with --json the figures per size written there."""
+    print(table)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=1) + "\n")

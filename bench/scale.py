@@ -1,17 +1,19 @@
 """How the driver copes with thousands of ranks, by simulation: `python -m bench.scale --ranks 64 256 1024 4096`.
 
-Fake ranks send what real ranks send, through the real path: a real :class:`RunMonitor` actor on a local Ray,
-drained by the real watcher thread (:func:`raytrain_ddp.driver.watchdog.watch`) into the real
-:class:`RunRecorder` (liveness, epoch and step records in a run directory, the watchdog's verdict). Each fake
-rank beats once a second (``RunMonitor.progress`` with a heartbeat's arguments and one steps.jsonl record as
-``EpochMeter`` makes it), and sends ``epoch_finished`` with ``WorkerLoop.report_epoch``'s message at the end of
-each epoch. A few sender actors each loop over their ranks, so thousands fit on a small machine.
+Fake ranks send what real ranks send, through the real path: grouped 8 to a simulated node, they beat into
+their node's real :class:`NodeNews` (what each node's aggregator actor holds), and each node posts its real
+message once a second to a real :class:`RunMonitor` actor on a local Ray, drained by the real watcher thread
+(:func:`raytrain_ddp.driver.watchdog.watch`) into the real :class:`RunRecorder` (liveness, epoch and step
+records in a run directory, the watchdog's verdict). Each fake rank beats once a second with a heartbeat's
+arguments and one steps.jsonl record as ``EpochMeter`` makes it, and hands over ``WorkerLoop.report_epoch``'s
+message at the end of each epoch, which its node posts at once. A few sender actors each loop over their
+nodes, so thousands of ranks fit on a small machine (the aggregators' cost is on the nodes, not the driver's).
 
 After the warm-up epochs one rank stops sending while the others, waiting for it in the all-reduce, keep
 beating from one micro-batch ahead: the figure is how long past ``--hang-timeout-s`` the watchdog takes to
 name it. Measured per size: the CPU and memory of the driver's side (this process and the monitor actor),
-heartbeat lag (from a beat's scheduled send to the recorder taking it in), and one record of metrics.jsonl
-and of steps.jsonl.
+heartbeat lag (from a rank's beat to the recorder taking it in, the second its aggregator held it included),
+and one record of metrics.jsonl and of steps.jsonl.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from pathlib import Path
 import psutil
 import ray
 
-from bench.common import ROOT  # noqa: F401  (puts the repository on sys.path for `python bench/scale.py`)
+from bench.common import ROOT, markdown_table, publish  # noqa: F401  (ROOT: the repository on sys.path)
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight, watchdog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
+from raytrain_ddp.worker.aggregator import NodeNews
 from raytrain_ddp.worker.metrics import Heartbeat
 
 log = logging.getLogger("bench.scale")
@@ -41,6 +44,7 @@ log = logging.getLogger("bench.scale")
 BEAT_S = Heartbeat.INTERVAL_S
 BEATS_PER_EPOCH = 5  # one micro-batch (and one recorded step) per beat
 WARMUP_EPOCHS = 2
+RANKS_PER_NODE = 8
 SENDERS = 2  # sender actors: one per core of the machine the figures in docs/scale.md come from
 OBJECT_STORE_BYTES = 80 * 2**20
 KEYS = (
@@ -101,12 +105,18 @@ def epoch_message(rank: int, epoch: int) -> dict:
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # `behind_s` answers while `run` loops
-class FakeRanks:
-    """Some ranks of the simulated job: beats spread evenly over each second, as independent ranks' would be."""
+class FakeNodes:
+    """Some nodes of the simulated job, RANKS_PER_NODE ranks each: each node's ranks beat into its real
+    :class:`NodeNews` (what the node's aggregator actor holds), and the node posts its message once a second,
+    the nodes spread evenly over the second; at an epoch's end its ranks' epoch messages go in one more post,
+    as the aggregator delivers them at once."""
 
-    def __init__(self, monitor, ranks: list[int], stuck_rank: int, stop_beat: int) -> None:
-        self.monitor, self.ranks = monitor, ranks
-        self.stuck_rank, self.stop_beat = stuck_rank, stop_beat
+    def __init__(self, monitor, nodes: list[int], ranks: int, stuck_rank: int, stop_beat: int) -> None:
+        self.monitor, self.stuck_rank, self.stop_beat = monitor, stuck_rank, stop_beat
+        self.nodes = {
+            node: (list(range(node * RANKS_PER_NODE, min((node + 1) * RANKS_PER_NODE, ranks))), node_news(node))
+            for node in nodes
+        }
         self.behind = 0.0
 
     def behind_s(self) -> float:
@@ -116,38 +126,51 @@ class FakeRanks:
     def run(self, start: float, beats: int) -> None:
         """Beat `beats` times from `start` (monotonic: one clock for every process on this machine)."""
         for beat in range(1, beats + 1):
-            replies = []
-            for rank in self.ranks:
-                due = scheduled(start, beat, rank)
-                ahead = due - time.monotonic()
+            posts = []
+            for node, (node_ranks, news) in self.nodes.items():
+                ahead = scheduled(start, beat, node) - time.monotonic()
                 if ahead > 0:
                     time.sleep(ahead)
                 self.behind = max(self.behind, -ahead)
-                replies += self._beat(rank, beat)
-            ray.get(replies)  # each rank waits for its reply before its next beat, as monitor_post does
+                posts += self._beat(node_ranks, news, beat)
+            replies = ray.get([ref for *_, ref in posts])  # each node waits for its reply before its next post
+            for (news, message, _), reply in zip(posts, replies):
+                news.answered(message, reply)
 
-    def _beat(self, rank: int, beat: int) -> list:
-        if beat >= self.stop_beat:  # the hang: the stuck rank is silent, the others wait one micro-batch ahead
-            if rank == self.stuck_rank:
-                return []
-            epoch, steps = position(self.stop_beat)
-            return [self.monitor.progress.remote(rank, epoch, steps, 64 * steps, 1.0, "training", 0, [])]
-        epoch, steps = position(beat)
-        refs = [
-            self.monitor.progress.remote(rank, epoch, steps, 64 * steps, 1.0, "training", 0, [step_record(rank, beat)])
-        ]
-        if steps == BEATS_PER_EPOCH:
-            refs.append(self.monitor.epoch_finished.remote(rank, epoch_message(rank, epoch), []))
-        return refs
+    def _beat(self, node_ranks: list[int], news: NodeNews, beat: int) -> list[tuple]:
+        """The node's ranks' beats (the hang: from `stop_beat` the stuck rank is silent, the others wait one
+        micro-batch ahead), and the node's posts: (news, message, reply)."""
+        epoch, steps = position(min(beat, self.stop_beat))
+        for rank in node_ranks:
+            if beat < self.stop_beat:
+                news.beat(rank, epoch, steps, 64 * steps, 1.0, "training", 0, [step_record(rank, beat)])
+            elif rank != self.stuck_rank:
+                news.beat(rank, epoch, steps, 64 * steps, 1.0, "training", 0, [])
+        messages = [news.message()]
+        if beat < self.stop_beat and steps == BEATS_PER_EPOCH:
+            for rank in node_ranks:
+                news.add("epoch", rank, epoch_message(rank, epoch))
+            messages.append(news.message())
+        return [(news, message, self.monitor.node_news.remote(message)) for message in messages]
 
 
-def scheduled(start: float, beat: int, rank: int) -> float:
-    """When a rank's beat is due: ranks are spread over the second."""
-    return start + beat * BEAT_S + (rank % 1000) / 1000 * BEAT_S
+def node_news(node: int) -> NodeNews:
+    return NodeNews(f"node-id-{node}", f"node-{node}")
+
+
+def scheduled(start: float, beat: int, node: int) -> float:
+    """When a node posts its beat-th message: nodes are spread over the second."""
+    return start + beat * BEAT_S + (node % 1000) / 1000 * BEAT_S
+
+
+def held_s(rank: int) -> float:
+    """How long before its node's post a rank beat: ranks beat at their own moments, spread over the second the
+    aggregator holds their beats."""
+    return (rank % RANKS_PER_NODE + 0.5) / RANKS_PER_NODE * BEAT_S
 
 
 class TimedRecorder(RunRecorder):
-    """The real recorder, noting each heartbeat's lag as it takes it in."""
+    """The real recorder, noting each heartbeat's lag (from the rank's beat) as it takes it in."""
 
     def __init__(self, start: float, stop_beat: int, *args) -> None:
         super().__init__(*args)
@@ -155,11 +178,14 @@ class TimedRecorder(RunRecorder):
 
     def consume(self, events: list[tuple]) -> None:
         now = time.monotonic()
-        for kind, rank, payload in events:
-            if kind == "progress":
-                beat = (payload["epoch"] - 1) * BEATS_PER_EPOCH + payload["steps"]
+        for kind, _, payload in events:
+            if kind != "node":
+                continue
+            node = int(payload["hostname"].removeprefix("node-"))
+            for rank, (epoch, steps, *_) in payload["beats"].items():
+                beat = (epoch - 1) * BEATS_PER_EPOCH + steps
                 if beat < self.stop_beat:  # from the hang on, the beats repeat one position: no beat number
-                    self.lags.append(now - scheduled(self.start, beat, rank))
+                    self.lags.append(now - (scheduled(self.start, beat, node) - held_s(rank)))
         super().consume(events)
 
 
@@ -185,7 +211,10 @@ def measure(ranks: int, hang_timeout_s: int, run_root: Path) -> dict:
     start = time.monotonic() + 2.0
     stop_beat = WARMUP_EPOCHS * BEATS_PER_EPOCH + 2  # mid-epoch
     stuck_rank = ranks // 2 + 1
-    senders = [FakeRanks.remote(monitor, list(range(i, ranks, SENDERS)), stuck_rank, stop_beat) for i in range(SENDERS)]
+    nodes = math.ceil(ranks / RANKS_PER_NODE)
+    senders = [
+        FakeNodes.remote(monitor, list(range(i, nodes, SENDERS)), ranks, stuck_rank, stop_beat) for i in range(SENDERS)
+    ]
     recorder = TimedRecorder(start, stop_beat, config.run_dir, config, 64 * BEATS_PER_EPOCH * ranks, ranks, [])
     stop = threading.Event()
     node_watch = watchdog.NodeWatch(preflight.node_table(), ray.get_runtime_context().gcs_address)
@@ -268,7 +297,7 @@ def table(results: list[dict]) -> str:
         f"| {_bytes(r['epoch_record_bytes'])} | {_bytes(r['step_record_bytes'])} | {r['sender_behind_s']} |"
         for r in results
     ]
-    return "\n".join([header, "|---" * 9 + "|", *rows])
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(measure(ranks, args.hang_timeout_s, Path(run_root)))
             log.info("%s", json.dumps(results[-1]))
     ray.shutdown()
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    publish(results, table(results), args.json)
     return 0
 
 

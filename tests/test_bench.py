@@ -118,3 +118,17 @@ def test_scale_simulator_measures_the_driver_at_its_smallest_size(tmp_path):
     assert 0 < result["epoch_record_bytes"] < 2**16 and 0 < result["step_record_bytes"] < 2**12, result
     assert result["driver_cpu_cores"] > 0 and result["heartbeat_lag_p99_s"] > 0
     assert "| Ranks |" in proc.stdout
+
+
+def test_bringup_bench_plans_starts_joins_and_checks_a_small_allocation_and_refuses_a_single_node(tmp_path):
+    """The launcher's planning functions on simulated allocations (no Ray): every figure, messages bounded (the
+    figures at 512 and 4,096 nodes: docs/scale.md)."""
+    out = tmp_path / "bringup.json"
+    proc = _bench("bench.bringup", "--nodes", "2", "64", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    small, large = json.loads(out.read_text())
+    assert (small["nodes"], large["nodes"]) == (2, 64) and large["plan_json_bytes"] > small["plan_json_bytes"]
+    assert 0 < large["join_failure_chars"] < 400 and 0 < large["preflight_message_chars"] < 400, large
+    assert "| Nodes |" in proc.stdout
+    refused = _bench("bench.bringup", "--nodes", "1")
+    assert refused.returncode == 2 and "--nodes: each size must be 2 or more" in refused.stderr

@@ -415,3 +415,63 @@ def test_a_large_worlds_stall_names_the_ranks_furthest_behind_and_counts_the_res
     assert verdict.startswith("rank 7 on node0: training, epoch 1 step 3")
     assert f"; {world - 8 - STALL_RANKS_SHOWN} more rank(s) as far along or further; rank {world - 8} on " in verdict
     assert verdict.count("no news since it started") == 8 and len(verdict) < 3000
+
+
+def test_a_nodes_message_brings_its_ranks_beats_and_their_news_in_order_and_the_stop_request_back(tmp_path):
+    import time
+
+    from raytrain_ddp.worker.aggregator import NodeNews
+
+    config = TrainConfig(num_workers=2, epochs=2, log_every_steps=1, storage_path=str(tmp_path), name="unit")
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+    recorder.consume([("started", r, {"rank": r, "world_size": 2, "hostname": "h", "node_id": "n"}) for r in (0, 1)])
+    news = NodeNews("n", "h")
+    assert news.beat(0, 1, 4, 400, 1.0, "training", 0, [_step(1, 0, 2.0)]) is None
+    news.beat(1, 1, 3, 300, 1.0, "training", 0, [_step(1, 1, 4.0)])
+    for rank in (0, 1):
+        news.add("epoch", rank, rank_epoch_message(rank))
+    message = news.message()
+    assert (message["hostname"], message["slowest"], message["silent"]) == ("h", 1, {})
+    recorder.consume([("node", -1, {**message, "time": time.monotonic()})])
+    assert recorder.liveness.stuck_rank() == 1 and recorder.liveness.positions[0]["steps"] == 4
+    steps = [json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["train_loss"]) for s in steps] == [(1, 3.0)]
+    assert list(recorder.epochs) == [1]  # the epoch messages came after the beats' step records, as sent
+    assert news.delivered == 0 and news.queued == 4
+    news.answered(message, "preempted")  # the monitor took the message; its answer
+    assert news.delivered == 4
+    assert news.beat(0, 2, 1, 100, 1.0, "training", 0, []) == "preempted"
+    news.heard[1] -= 10  # rank 1 has not beaten for 10 s: named silent, its last position not sent again
+    later = news.message()
+    assert list(later["beats"]) == [0] and list(later["silent"]) == [1] and later["events"] == []
+    news.unsent(later)  # the monitor did not take it: its beats go with the next message
+    assert list(news.message()["beats"]) == [0]
+
+
+def test_a_rank_that_stopped_beating_and_a_node_whose_aggregator_stopped_posting_are_named(tmp_path, caplog):
+    import time
+
+    from raytrain_ddp.driver.watchdog import _note_silent_nodes
+
+    config = TrainConfig(num_workers=4, storage_path=str(tmp_path), name="unit")
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=4, sinks=[])
+    liveness, now = recorder.liveness, time.monotonic()
+    for host, ranks, age_s in (("node0", (0, 1), 0), ("node1", (2, 3), 30)):
+        beats = {rank: (1, 4, 0, 1.0, "training", 0, 0.0) for rank in ranks}
+        liveness.node_heard({"hostname": host, "beats": beats, "silent": {}, "time": now - age_s})
+    for rank in range(4):  # rank 1 stopped at step 3 20 s ago; node1's last message came 30 s ago
+        liveness.track(rank, {**_beat(1, 3 if rank == 1 else 4, "training"), "time": now - (20 if rank == 1 else 0)})
+    workers = {rank: {"hostname": f"node{rank // 2}"} for rank in range(4)}
+    verdict = liveness.describe_stall(workers)
+    assert verdict.startswith("rank 1 on node0: training, epoch 1 step 3, unchanged for 20s, no heartbeat for 20s; ")
+    assert "rank 0 on node0: training, epoch 1 step 4, unchanged for 0s; " in verdict
+    assert verdict.endswith("; node node1: no message from its aggregator for 30s (its 2 ranks: 2, 3)")
+    with caplog.at_level("WARNING", logger="raytrain_ddp"):
+        _note_silent_nodes(recorder)
+        _note_silent_nodes(recorder)  # said once
+    assert [r.getMessage() for r in caplog.records] == [
+        "Node node1: no message from its aggregator for 30s (the aggregator lost or stuck); its 2 ranks: 2, 3"
+    ]
+    recorder.node_lost({"node_id": "n1", "hostname": "node1", "node_ip": "10.0.0.2"})  # the node itself left
+    assert "node node1" not in liveness.describe_stall(workers)

@@ -274,3 +274,46 @@ def test_catches_reads_a_real_processes_signal_handlers():
         child.kill()
         child.wait()
     assert not catches(child.pid, signal.SIGUSR1)  # gone
+
+
+def test_the_join_wait_names_a_bounded_list_of_the_nodes_it_waits_on_and_gives_up_naming_them():
+    from bench.bringup import fake_ray_nodes
+    from raytrain_ddp.cluster.plan import NODES_NAMED, join_failure, join_progress, missing_from
+    from raytrain_ddp.driver.preflight import node_rows
+
+    nodes = [f"node-{i:03d}" for i in range(512)]
+    reported = {i: (f"node-{i:03d}", f"10.0.{i // 256}.{i % 256}") for i in range(500)}  # 12 never reported
+    table = [row for row in node_rows(fake_ray_nodes(512)) if int(row["hostname"][5:8]) < 412]  # node-000..411 joined
+    missing = missing_from(nodes, reported, table)
+    assert len(missing) == 100 and missing["node-412"] == "node-412 (10.0.1.156)"
+    assert missing["node-511"] == "node-511 (its ray start has not reported an address)"
+    progress = join_progress(len(table), len(nodes), list(missing))
+    assert progress == (
+        "412 of 512 nodes joined, waiting on: node-412, node-413, node-414, node-415, node-416, node-417, "
+        "node-418, node-419, node-420, node-421 and 90 more"
+    )
+    failure = join_failure(len(table), len(nodes), "timeout after 180s", list(missing.values()))
+    assert failure.startswith("only 412/512 nodes joined (timeout after 180s); missing: node-412 (10.0.1.156), ")
+    assert failure.count("node-") == NODES_NAMED and " and 90 more; the [node] lines above show" in failure
+    assert join_progress(1, 2, ["b"]) == "1 of 2 nodes joined, waiting on: b"  # a small job: every name, no count
+
+
+def test_preflight_describes_a_large_cluster_by_its_node_shapes_in_a_bounded_line():
+    from bench.bringup import fake_ray_nodes
+    from raytrain_ddp import TrainConfig
+    from raytrain_ddp.driver.preflight import check_fits, describe, most_workers, node_rows
+
+    table = node_rows(fake_ray_nodes(511) + fake_ray_nodes(1, cpus=32.0, gpus=4.0)[:1])
+    assert len(table) == 512
+    assert describe(table) == "511 nodes of 64 CPU, 8 GPU, 512.0 GiB; 1 node of 32 CPU, 4 GPU, 512.0 GiB"
+    small = "10.0.0.0: 64 CPU, 8 GPU, 512.0 GiB; 10.0.0.1: 64 CPU, 8 GPU, 512.0 GiB"
+    assert describe(node_rows(fake_ray_nodes(2))) == small  # a few nodes: each by its address
+
+    # every node full but the small one, packed last: one worker fewer there leaves it a CPU for data loading
+    assert most_workers(TrainConfig(cpus_per_worker=8, use_gpu=True), table) == 511 * 8 + 3
+    with pytest.raises(ConfigError) as refused:  # one worker per GPU takes every CPU: none left for data loading
+        check_fits(TrainConfig(num_workers=511 * 8 + 4, cpus_per_worker=8, use_gpu=True), table)
+    assert str(refused.value).startswith("asked for 4092 workers x 8 CPU + 1 GPU, but the 512 node(s) hold 4091 ")
+    assert str(refused.value).endswith(
+        "(511 nodes of 64 CPU, 8 GPU, 512.0 GiB; 1 node of 32 CPU, 4 GPU, 512.0 GiB); try --num-workers 4091"
+    )

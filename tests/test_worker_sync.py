@@ -147,3 +147,36 @@ def test_device_feed_ahead_keeps_order_and_the_last_batch():
     batches = [{"x": torch.full((2,), float(i)), "y": torch.tensor([i])} for i in range(3)]
     assert [(int(b["y"]), last) for b, last in feed.ahead(iter(batches))] == [(0, False), (1, False), (2, True)]
     assert list(feed.ahead(iter([]))) == []
+
+
+def test_a_nodes_ranks_beat_through_one_aggregator_and_past_it_once_it_is_gone(ray_address):
+    """Two ranks of one node: one message for both, an epoch message delivered before the call returns with the
+    beats queued before it, the stop request back through the aggregator; its process killed, the ranks post
+    to the monitor themselves."""
+    import ray
+
+    from raytrain_ddp.driver.monitor import start_monitor
+    from raytrain_ddp.worker.metrics import DriverLink
+
+    monitor = start_monitor()
+    try:
+        links = [DriverLink(monitor, rank) for rank in (0, 1)]
+        for link in links:
+            assert link.post(link.rank, 1, 3 + link.rank, 96, 0.5, "training", 0, []) is None
+        links[0].epoch_finished({"epoch": 1, "rank": 0}, [{"step": 4}])  # the monitor has it when this returns
+        [(kind, _, message)] = ray.get(monitor.drain.remote())
+        assert kind == "node" and sorted(message["beats"]) == [0, 1] and message["slowest"] == 0
+        assert message["events"] == [("steps", 0, [{"step": 4}]), ("epoch", 0, {"epoch": 1, "rank": 0})]
+        ray.get(monitor.request_stop.remote("preempted"))
+        links[1].epoch_finished({"epoch": 1, "rank": 1}, [])  # the node's post brings the answer back
+        assert links[0].post(0, 2, 1, 32, 0.5, "training", 0, []) == "preempted"
+        ray.kill(links[0].aggregator, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):  # waits for it to be gone
+            for _ in range(300):
+                ray.get(links[0].aggregator.__ray_call__.remote(lambda _self: None))
+                time.sleep(0.1)
+        assert links[1].post(1, 2, 1, 32, 0.5, "training", 0, []) == "preempted"
+        events = ray.get(monitor.drain.remote())
+        assert ("progress", 1) in [(kind, rank) for kind, rank, _ in events]  # straight to the monitor
+    finally:
+        ray.kill(monitor)

@@ -355,3 +355,41 @@ def job_plan(
         netcheck_timeout_s=netcheck_timeout(env),
         max_excluding_requeues=max_excluding_requeues(env),
     )
+
+
+NODES_NAMED = 10  # a join wait's message names this many missing nodes, then counts the others
+
+
+def some_names(names: list[str], shown: int = NODES_NAMED, sep: str = ", ") -> str:
+    """'a, b, c' or, past `shown` names, 'a, b, ... and 502 more': a bounded list for one log line."""
+    listed = sep.join(names[:shown])
+    return listed if len(names) <= shown else f"{listed} and {len(names) - shown} more"
+
+
+def missing_from(nodes: list[str], reported: Mapping[int, tuple[str, str]], table: list[dict]) -> dict[str, str]:
+    """{slurm node: description} of the nodes not (yet) in the Ray cluster: `reported`, node index -> (host,
+    address) its `ray start` reported; `table`, the Ray node table (preflight.node_table). One pass each."""
+    ips = {n["node_ip"] for n in table}
+    hosts = {n["hostname"].split(".")[0] for n in table}
+    out = {}
+    for i, node in enumerate(nodes):
+        if i not in reported:
+            out[node] = f"{node} (its ray start has not reported an address)"
+            continue
+        host, ip = reported[i]
+        if ip not in ips and host not in hosts and node not in hosts:
+            out[node] = f"{node} ({ip})"
+    return out
+
+
+def join_progress(joined: int, want: int, missing: list[str]) -> str:
+    """The join wait's progress: '412 of 512 nodes joined, waiting on: node-a, node-b ... and 90 more'."""
+    return f"{joined} of {plural(want, 'node')} joined, waiting on: {some_names(missing)}"
+
+
+def join_failure(joined: int, want: int, why: str, missing: list[str]) -> str:
+    """Why the join wait gave up, naming the missing nodes (a bounded list)."""
+    return (
+        f"only {joined}/{want} nodes joined ({why}); missing: {some_names(missing)}; the [node] lines above show "
+        "each node's ray start output"
+    )

@@ -42,11 +42,20 @@ from raytrain_ddp.cluster.node import (
     tagged_pids,
 )
 from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
-from raytrain_ddp.cluster.plan import EXIT_BRINGUP, JobPlan, hostport
+from raytrain_ddp.cluster.plan import (
+    EXIT_BRINGUP,
+    JobPlan,
+    hostport,
+    join_failure,
+    join_progress,
+    missing_from,
+    some_names,
+)
 from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError, plural
 from raytrain_ddp.storage import RunPath
 from raytrain_ddp.summary import RunSummary
 
+JOIN_PROGRESS_EVERY_S = 10.0  # how often the join wait says how many nodes joined, and which it waits on
 EXIT_BAD_INPUT, EXIT_STOPPED = 2, 75  # as raytrain_ddp.run; 75: stopped after a checkpoint, run again to resume
 
 
@@ -100,6 +109,7 @@ class Launcher:
         self.requeue = False
         self.exclude: list[str] = []  # nodes the requeued job must not get again
         self.plan: JobPlan | None = None
+        self.reported: dict[int, tuple[str, str]] = {}  # node index -> (host, address) its ray start reported
         self.name = ""
 
     # ---------------------------------------------------------------- signals
@@ -565,29 +575,27 @@ class Launcher:
                     ) from None
                 time.sleep(1)
         try:
+            said = time.monotonic()
             while True:
                 table = preflight.node_table()
                 if len(table) >= want:
-                    joined = " ".join(sorted(f"{n['hostname']}={n['node_ip']}" for n in table))
-                    log.info("all %d node(s) joined: %s", want, joined)
+                    log.info("all %d node(s) joined: %s", want, some_names(sorted(n["hostname"] for n in table)))
                     return int(sum(n["cpus"] for n in table)), int(sum(n["gpus"] for n in table))
                 missing = self.missing_nodes(table)
                 dead = [i for i, step in enumerate(self.steps) if step.poll() is not None and plan.nodes[i] in missing]
                 if dead or time.monotonic() > deadline:
                     errors = [e for e in map(self.node_error, dead) if e]
                     why = (
-                        "; ".join(errors)
+                        some_names(errors, sep="; ")
                         if errors
-                        else f"ray start exited on {', '.join(plan.nodes[i] for i in dead)}"
+                        else f"ray start exited on {some_names([plan.nodes[i] for i in dead])}"
                         if dead
                         else f"timeout after {timeout:.0f}s"
                     )
-                    raise LaunchError(
-                        f"only {len(table)}/{want} nodes joined ({why}); missing: "
-                        f"{', '.join(missing.values())}; the [node] lines above show each node's "
-                        "ray start output",
-                        EXIT_BRINGUP,
-                    )
+                    raise LaunchError(join_failure(len(table), want, why, list(missing.values())), EXIT_BRINGUP)
+                if time.monotonic() - said >= JOIN_PROGRESS_EVERY_S:
+                    log.info("%s", join_progress(len(table), want, list(missing)))
+                    said = time.monotonic()
                 time.sleep(1)
         finally:
             ray.shutdown()
@@ -597,18 +605,14 @@ class Launcher:
 
     def missing_nodes(self, table: list[dict]) -> dict[str, str]:
         """{slurm node: description} of the nodes not (yet) in the Ray cluster."""
-        ips = {n["node_ip"] for n in table}
-        hosts = {n["hostname"].split(".")[0] for n in table}
-        out = {}
-        for i, node in enumerate(self.plan.nodes):
-            try:
-                _, host, ip = Path(self.plan.job_dir, f"node.{i}").read_text().split()
-            except (OSError, ValueError):
-                out[node] = f"{node} (its ray start has not reported an address)"
-                continue
-            if ip not in ips and host not in hosts and node not in hosts:
-                out[node] = f"{node} ({ip})"
-        return out
+        for i in range(len(self.plan.nodes)):
+            if i not in self.reported:  # a node's report is written once: read until it is there
+                try:
+                    _, host, ip = Path(self.plan.job_dir, f"node.{i}").read_text().split()
+                except (OSError, ValueError):
+                    continue
+                self.reported[i] = (host, ip)
+        return missing_from(self.plan.nodes, self.reported, table)
 
     # ---------------------------------------------------------------- however the job ends
     def cleanup(self, rc: int) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+from raytrain_ddp.errors import plural
+from raytrain_ddp.worker.aggregator import SILENT_AFTER_S
 from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 
 # A stall's description names this many ranks, the furthest behind first (and as many silent ones): listing
@@ -49,6 +51,29 @@ class Liveness:
         self.last_news = time.monotonic()  # when any rank last said it was moving
         self.hangs: list[str] = []  # the watchdog's verdicts
         self.stuck_nodes: list[str] = []  # host names of the ranks it ended (the Slurm launcher excludes them)
+        self.nodes: dict[str, dict] = {}  # host -> its aggregator's latest message: "time", "ranks", "silent"
+        self._said_silent: set[str] = set()  # the hosts `newly_silent_nodes` named
+
+    def node_heard(self, message: dict) -> None:
+        """A node aggregator's message came (`NodeNews.message`, stamped with the driver's clock)."""
+        known = self.nodes.get(message["hostname"], {}).get("ranks", set())
+        self.nodes[message["hostname"]] = {
+            "time": message["time"],
+            "ranks": known | set(message["beats"]),
+            "silent": message["silent"],
+        }
+
+    def newly_silent_nodes(self, after_s: float) -> dict[str, float]:
+        """`silent_nodes` not said before (a node that posts again may be said again)."""
+        silent = self.silent_nodes(after_s)
+        new = {host: silent_s for host, silent_s in silent.items() if host not in self._said_silent}
+        self._said_silent = set(silent)
+        return new
+
+    def silent_nodes(self, after_s: float) -> dict[str, float]:
+        """Host -> seconds since its aggregator's last message, for the nodes silent longer than `after_s`."""
+        now = time.monotonic()
+        return {host: now - node["time"] for host, node in self.nodes.items() if now - node["time"] > after_s}
 
     def heard(self) -> None:
         """News that is not a heartbeat (a rank started, finished an epoch): the run is moving."""
@@ -102,9 +127,10 @@ class Liveness:
         for rank in seen[:STALL_RANKS_SHOWN]:
             p = self.positions[rank]
             host = workers.get(rank, {}).get("hostname", "?")
+            unheard = f", no heartbeat for {now - p['time']:.0f}s" if now - p["time"] > SILENT_AFTER_S else ""
             parts.append(
                 f"rank {rank} on {host}: {describe_phase(p)}, epoch {p['epoch']} step {p['steps']}, "
-                f"unchanged for {now - p['moved_at']:.0f}s"
+                f"unchanged for {now - p['moved_at']:.0f}s{unheard}"
             )
         if len(seen) > STALL_RANKS_SHOWN:
             parts.append(f"{len(seen) - STALL_RANKS_SHOWN} more rank(s) as far along or further")
@@ -115,4 +141,22 @@ class Liveness:
         ]
         if len(silent) > STALL_RANKS_SHOWN:
             parts.append(f"{len(silent) - STALL_RANKS_SHOWN} more rank(s) with no news since they started")
-        return "; ".join(parts)
+        return "; ".join(parts + self._describe_silent_nodes())
+
+    def _describe_silent_nodes(self) -> list[str]:
+        """The nodes whose aggregator stopped posting (the node or its aggregator lost), longest silent first."""
+        silent = sorted(self.silent_nodes(SILENT_AFTER_S).items(), key=lambda item: -item[1])
+        parts = [
+            f"node {host}: no message from its aggregator for {silent_s:.0f}s "
+            f"(its {plural(len(self.nodes[host]['ranks']), 'rank')}: {_some(sorted(self.nodes[host]['ranks']))})"
+            for host, silent_s in silent[:STALL_RANKS_SHOWN]
+        ]
+        if len(silent) > STALL_RANKS_SHOWN:
+            parts.append(f"{plural(len(silent) - STALL_RANKS_SHOWN, 'more node')} silent as long or less")
+        return parts
+
+
+def _some(ranks: list[int]) -> str:
+    """A node's ranks, a bounded list."""
+    shown = ", ".join(map(str, ranks[:STALL_RANKS_SHOWN]))
+    return shown if len(ranks) <= STALL_RANKS_SHOWN else f"{shown} and {len(ranks) - STALL_RANKS_SHOWN} more"

@@ -1,10 +1,12 @@
 """How worker news reaches the driver, and what the driver makes of it.
 
 Workers post to :class:`RunMonitor`, a zero-CPU actor pinned to the driver's
-node: fire-and-forget progress every second, and one message per rank at the
-end of each epoch. Ray Train's own ``report`` only keeps metrics that come
-with a checkpoint; this mailbox keeps every rank's numbers, so the driver can
-show the cross-rank picture rather than rank zero's alone.
+node: their progress every second and their message at the end of each epoch
+through their node's aggregator (:mod:`raytrain_ddp.worker.aggregator`: one
+message a second per node), the rest (a rank's start and end) directly.
+Ray Train's own ``report`` only keeps metrics that come with a checkpoint;
+this mailbox keeps every rank's numbers, so the driver can show the
+cross-rank picture rather than rank zero's alone.
 
 :class:`RunRecorder` drains the mailbox on the driver and follows each
 attempt. When every rank has finished an epoch, :mod:`.epochs` aggregates
@@ -39,6 +41,7 @@ from raytrain_ddp.driver.liveness import Liveness
 from raytrain_ddp.driver.run_files import MetricsFile, StepsFile, write_rank_lists
 from raytrain_ddp.errors import StorageFull, one_line, plural, storage_full_as
 from raytrain_ddp.storage import RunPath
+from raytrain_ddp.worker.aggregator import NodeAggregator
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -59,6 +62,23 @@ class RunMonitor:
     def __init__(self) -> None:
         self._events: list[tuple] = []
         self._stop_reason: str | None = None
+        self._aggregators: dict[str, ray.actor.ActorHandle] = {}  # node id -> its ranks' NodeAggregator
+
+    def aggregator_for(self, node_id: str, hostname: str) -> ray.actor.ActorHandle:
+        """The node's aggregator, started (pinned to the node) when its first rank asks. Owned by this actor:
+        it ends with the run."""
+        if node_id not in self._aggregators:
+            on_the_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            self._aggregators[node_id] = NodeAggregator.options(  # type: ignore[attr-defined]  # @ray.remote's
+                scheduling_strategy=on_the_node
+            ).remote(ray.get_runtime_context().current_actor, node_id, hostname)
+        return self._aggregators[node_id]
+
+    def node_news(self, message: dict) -> str | None:
+        """A node's message (`NodeNews.message`), stamped with this node's monotonic clock (the driver's, which
+        the watchdog reads); answers whether the driver wants the run stopped."""
+        self._events.append(("node", -1, {**message, "time": time.monotonic()}))
+        return self._stop_reason
 
     def request_stop(self, reason: str) -> None:
         """The driver asks every rank to checkpoint at the next step boundary and return (preemption)."""
@@ -179,31 +199,47 @@ class RunRecorder:
 
     def consume(self, events: list[tuple]) -> None:
         for kind, rank, payload in events:
-            if kind != "progress":
-                self.liveness.heard()
-            if kind == "started":
-                self.workers[rank] = payload
-                self.liveness.forget([rank])
-                if rank == 0:
-                    self._new_attempt(payload["world_size"])
-            elif kind == "progress":
-                self.liveness.track(rank, payload)
-            elif kind == "epoch":
-                self._pending.setdefault(payload["epoch"], {})[rank] = payload
-                if len(self._pending[payload["epoch"]]) == self.world_size:
-                    self._record_epoch(self._pending.pop(payload["epoch"]))
-            elif kind == "steps":
-                for record in payload:
-                    self._pending_steps.setdefault(record["step"], {})[rank] = record
-                    if len(self._pending_steps[record["step"]]) == self.world_size:
-                        self._record_step(self._pending_steps.pop(record["step"]))
-            elif kind == "finished":
-                self.checksums[rank] = payload
-            elif kind == "output":
-                for line in payload:
-                    log.info("[rank %d] %s", rank, line)
+            if kind == "node":
+                self._take_node_news(payload)
+            else:
+                self._take(kind, rank, payload)
         if self.liveness.positions:
             self.console.show_progress(self.liveness.positions, self.steps_per_epoch)
+
+    def _take_node_news(self, message: dict) -> None:
+        """A node aggregator's message: each rank's beat (its time on the driver's clock), then the news its
+        ranks handed over, in their order."""
+        self.liveness.node_heard(message)
+        for rank, (epoch, steps, samples, loss, phase, phase_done, age_s) in message["beats"].items():
+            where = {"epoch": epoch, "steps": steps, "samples": samples, "loss": loss, "phase": phase}
+            self._take("progress", rank, {**where, "phase_done": phase_done, "time": message["time"] - age_s})
+        for kind, rank, payload in message["events"]:
+            self._take(kind, rank, payload)
+
+    def _take(self, kind: str, rank: int, payload) -> None:
+        if kind != "progress":
+            self.liveness.heard()
+        if kind == "started":
+            self.workers[rank] = payload
+            self.liveness.forget([rank])
+            if rank == 0:
+                self._new_attempt(payload["world_size"])
+        elif kind == "progress":
+            self.liveness.track(rank, payload)
+        elif kind == "epoch":
+            self._pending.setdefault(payload["epoch"], {})[rank] = payload
+            if len(self._pending[payload["epoch"]]) == self.world_size:
+                self._record_epoch(self._pending.pop(payload["epoch"]))
+        elif kind == "steps":
+            for record in payload:
+                self._pending_steps.setdefault(record["step"], {})[rank] = record
+                if len(self._pending_steps[record["step"]]) == self.world_size:
+                    self._record_step(self._pending_steps.pop(record["step"]))
+        elif kind == "finished":
+            self.checksums[rank] = payload
+        elif kind == "output":
+            for line in payload:
+                log.info("[rank %d] %s", rank, line)
 
     def progress_line(self) -> str | None:
         return self.console.progress_line(self.liveness.positions, self.steps_per_epoch)
@@ -239,6 +275,7 @@ class RunRecorder:
         if ranks:
             self.interrupted_at = self.interrupted_at or time.monotonic()
             self.liveness.forget(ranks)
+        self.liveness.nodes.pop(node["hostname"], None)  # its aggregator went with it: no silence to tell
         return ranks
 
     def _record_epoch(self, by_rank: dict[int, dict]) -> None:

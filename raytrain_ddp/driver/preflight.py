@@ -8,6 +8,7 @@ is created.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import logging
@@ -90,8 +91,13 @@ def _loopback_only(host: str, port: int) -> bool:
 
 def node_table() -> list[dict]:
     """Alive nodes: address, host name and Ray node id, with their total CPUs, GPUs and memory (GiB)."""
+    return node_rows(ray.nodes())
+
+
+def node_rows(ray_nodes: list[dict]) -> list[dict]:
+    """`node_table` of a `ray.nodes()` answer."""
     rows = []
-    for node in ray.nodes():
+    for node in ray_nodes:
         if not node.get("Alive"):
             continue
         resources = node.get("Resources", {})
@@ -116,8 +122,19 @@ def workers_that_fit(node: dict, config: TrainConfig) -> int:
     return fits
 
 
+NODES_DESCRIBED = 8  # a larger cluster is described by its node shapes: 512 nodes made a line of 30,000 characters
+
+
 def describe(nodes: list[dict]) -> str:
-    return "; ".join(f"{n['node_ip']}: {n['cpus']:g} CPU, {n['gpus']:g} GPU, {n['memory_gib']:.1f} GiB" for n in nodes)
+    """Each node's address and size; beyond NODES_DESCRIBED nodes, each size with how many nodes have it."""
+    if len(nodes) <= NODES_DESCRIBED:
+        return "; ".join(f"{n['node_ip']}: {_size(n)}" for n in nodes)
+    shapes = collections.Counter(_size(n) for n in nodes)
+    return "; ".join(f"{plural(count, 'node')} of {size}" for size, count in shapes.most_common())
+
+
+def _size(node: dict) -> str:
+    return f"{node['cpus']:g} CPU, {node['gpus']:g} GPU, {node['memory_gib']:.1f} GiB"
 
 
 def check_fits(config: TrainConfig, nodes: list[dict]) -> int:

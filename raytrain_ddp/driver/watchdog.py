@@ -26,7 +26,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight, stacks
 from raytrain_ddp.driver.monitor import RunRecorder, Verdict
 from raytrain_ddp.driver.run_lock import RunLock
-from raytrain_ddp.errors import one_line
+from raytrain_ddp.errors import one_line, plural
 
 log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
@@ -41,6 +41,8 @@ PROGRESS_LOG_INTERVAL_S = 5.0
 # Ray's core worker ends this process 60 s after it lost the GCS (the head node's Ray), with no summary and no
 # word of why: the watcher calls the cluster gone well before, and the run ends with both.
 CLUSTER_GONE_S = 15.0
+# A node aggregator posts every second: one silent this long is said (a node's ranks number 8 or so: listed).
+NODE_SILENT_S = 10.0
 DRAIN_TIMEOUT_S = 5.0  # a drain that waits longer is retried; the GCS check decides whether the cluster is gone
 
 
@@ -168,6 +170,20 @@ def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: N
         log.info("Node %s (%s) joined the Ray cluster", node["hostname"], node["node_ip"])
 
 
+def _note_silent_nodes(recorder: RunRecorder) -> None:
+    """A node whose aggregator stopped posting while the node is still in the cluster: said once (its ranks post
+    to the monitor themselves meanwhile, `DriverLink`; the node itself lost is `_note_node_changes`'s)."""
+    for host, silent_s in recorder.liveness.newly_silent_nodes(NODE_SILENT_S).items():
+        ranks = sorted(recorder.liveness.nodes[host]["ranks"])
+        log.warning(
+            "Node %s: no message from its aggregator for %.0fs (the aggregator lost or stuck); its %s: %s",
+            host,
+            silent_s,
+            plural(len(ranks), "rank"),
+            ", ".join(map(str, ranks)),
+        )
+
+
 def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
     """Why the run gives up after a node loss, and what to do: one line."""
     lost = "; ".join(
@@ -229,6 +245,7 @@ def watch(
                 if silent_s:
                     continue  # Ray's calls would wait for it
                 _note_node_changes(config, recorder, node_watch)
+                _note_silent_nodes(recorder)
             drained = drained or monitor.drain.remote()
             recorder.consume(ray.get(drained, timeout=DRAIN_TIMEOUT_S))
             drained, monitor_silent = None, False

@@ -35,7 +35,7 @@ from ray import cloudpickle
 from raytrain_ddp import session
 from raytrain_ddp.errors import ScriptFailed, ScriptKilled
 from raytrain_ddp.plugins import add_import_roots
-from raytrain_ddp.worker.metrics import Heartbeat, monitor_post
+from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
 from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
 
 log = logging.getLogger("raytrain_ddp.worker")
@@ -94,7 +94,8 @@ class Supervisor:
         self.output: list[str] = []  # teed lines not yet sent to the driver
         self.output_lock = threading.Lock()
         self.cpu_of: Callable[[], int] = lambda: _cpu_ticks(os.getpid())
-        self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
+        self.link = DriverLink(self.monitor, self.rank)
+        self.heartbeat = Heartbeat(self.link.post, self.rank)
         self.heartbeat.at(PHASE, 0, self.heartbeat.meter)
         threading.Thread(target=self._beat_forever, daemon=True, name="supervisor").start()
 
@@ -152,7 +153,7 @@ class Supervisor:
         """The rank's last output and reports reach the driver before the worker returns."""
         self.send_output(wait=True)
         self.heartbeat.step_records.extend(self.channel.new_reports())
-        self.heartbeat.send_step_records(lambda steps: ray.get(self.monitor.add_step_records.remote(self.rank, steps)))
+        self.heartbeat.send_step_records(self.link.add_step_records)
 
 
 def _cpu_ticks(pid: int) -> int:

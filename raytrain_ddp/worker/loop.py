@@ -43,6 +43,7 @@ from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
 from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
 from raytrain_ddp.worker.hooks import WorkerHooks, worker_hooks
 from raytrain_ddp.worker.metrics import (
+    DriverLink,
     EpochMeter,
     Heartbeat,
     StepClock,
@@ -51,7 +52,6 @@ from raytrain_ddp.worker.metrics import (
     check_finite,
     default_loss,
     evaluate,
-    monitor_post,
     most_over_ranks,
     parameter_checksum,
     sync_buffers,
@@ -308,7 +308,8 @@ class WorkerLoop:
             },
         )
         _label_worker_logs(self.rank)
-        self.heartbeat = Heartbeat(monitor_post(self.monitor), self.rank)
+        self.link = DriverLink(self.monitor, self.rank)
+        self.heartbeat = Heartbeat(self.link.post, self.rank)
         if config.compile:
             self.heartbeat.follow_compiles()
         self.trainer = RankTrainer(config, self.spec, device, plugins, world_size)
@@ -507,9 +508,7 @@ class WorkerLoop:
         if self.device.type == "cuda":
             rank_metrics["gpu_memory_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.heartbeat.send_step_records(
-            lambda steps: ray.get(self.monitor.epoch_finished.remote(self.rank, rank_metrics, steps))
-        )
+        self.heartbeat.send_step_records(lambda steps: self.link.epoch_finished(rank_metrics, steps))
 
     def checkpoint(self, epoch: int, run: EpochRun, val_metrics: dict) -> None:
         """Rank zero alone writes the checkpoint; every rank reports, so Ray Train sees the whole group finish

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import socket
 import threading
 import time
 from collections import deque
@@ -15,6 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from raytrain_ddp.worker.aggregator import POST_TIMEOUT_S
+
+log = logging.getLogger("raytrain_ddp")
 
 
 @dataclass
@@ -199,13 +205,44 @@ class Heartbeat:
                     self.step_records.extendleft(reversed(records))
 
 
-def monitor_post(monitor):
-    """Heartbeat's `post` for the driver's monitor actor."""
+class DriverLink:
+    """A rank's news to the driver: its heartbeats and epoch messages through its node's aggregator (one
+    message a second per node: `raytrain_ddp.worker.aggregator`), straight to the run monitor while that
+    aggregator is gone (a rank never falls silent for want of one)."""
 
-    def post(*progress):
-        return ray.get(monitor.progress.remote(*progress), timeout=30)
+    def __init__(self, monitor, rank: int) -> None:
+        self.monitor, self.rank = monitor, rank
+        self.aggregator = None
+        self._said_gone = False
+        try:
+            self.aggregator = ray.get(
+                monitor.aggregator_for.remote(ray.get_runtime_context().get_node_id(), socket.gethostname()),
+                timeout=POST_TIMEOUT_S,
+            )
+        except Exception as err:  # an old monitor, or one busy: the rank posts to it directly
+            log.warning("rank %d: no node aggregator (%s); posting to the run monitor directly", rank, err)
 
-    return post
+    def post(self, *progress):
+        """Heartbeat's `post`: answers the driver's stop request, if any."""
+        return self._send("progress", *progress)
+
+    def epoch_finished(self, metrics: dict, step_records: list[dict]) -> None:
+        """The epoch's message; returns once the driver's monitor has it."""
+        self._send("epoch_finished", self.rank, metrics, step_records)
+
+    def add_step_records(self, step_records: list[dict]) -> None:
+        """A launched rank's last reports; returns once the driver's monitor has them."""
+        self._send("add_step_records", self.rank, step_records)
+
+    def _send(self, method: str, *args):
+        if self.aggregator is not None:
+            try:
+                return ray.get(getattr(self.aggregator, method).remote(*args), timeout=POST_TIMEOUT_S)
+            except ray.exceptions.RayActorError as err:  # its process gone (restarting, or for good): the monitor
+                if not self._said_gone:
+                    log.warning("rank %d: its node aggregator is gone (%s); posting to the run monitor", self.rank, err)
+                self._said_gone = True
+        return ray.get(getattr(self.monitor, method).remote(*args), timeout=POST_TIMEOUT_S)
 
 
 def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
