@@ -88,7 +88,7 @@ def test_nodes_the_run_failed_on_come_from_the_summary():
     def failed_on(summary: dict) -> list[str]:
         return health.nodes_the_run_failed_on(RunSummary.from_json(summary), NODES)
 
-    assert failed_on({**lost, "error": "lost node n2 (...) after 1 epoch(s)"}) == ["n2", "n3"]
+    assert failed_on({**lost, "error": "lost node n2 (...) after 1 epoch"}) == ["n2", "n3"]
     assert failed_on({"stuck_nodes": ["n3"], "error": "watchdog: no rank ..."}) == ["n3"]
     # a failure of the run's own (it would fail on any node) names no node, whatever else the summary holds
     assert failed_on({**lost, "error": "non-finite loss at step 3"}) == []

@@ -54,7 +54,7 @@ def plugin_dir(tmp_path):
             "myplugins:list_of_data",
             "--dataset 'myplugins:list_of_data' returned list, expected {'train': ray.data.Dataset",
         ),
-        ("myplugins:data_without_y", "--dataset 'myplugins:data_without_y': training rows lack column(s) y"),
+        ("myplugins:data_without_y", "--dataset 'myplugins:data_without_y': training rows lack column y"),
     ],
 )
 def test_dataset_plugin_errors_are_one_line(ray_address, plugin_dir, tmp_path, dataset, message):

@@ -413,7 +413,7 @@ def test_a_large_worlds_stall_names_the_ranks_furthest_behind_and_counts_the_res
     workers = {rank: {"hostname": f"node{rank // 8}"} for rank in range(world)}
     verdict = liveness.describe_stall(workers)
     assert verdict.startswith("rank 7 on node0: training, epoch 1 step 3")
-    assert f"; {world - 8 - STALL_RANKS_SHOWN} more rank(s) as far along or further; rank {world - 8} on " in verdict
+    assert f"; {world - 8 - STALL_RANKS_SHOWN} more ranks as far along or further; rank {world - 8} on " in verdict
     assert verdict.count("no news since it started") == 8 and len(verdict) < 3000
 
 

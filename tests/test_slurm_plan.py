@@ -313,7 +313,7 @@ def test_preflight_describes_a_large_cluster_by_its_node_shapes_in_a_bounded_lin
     assert most_workers(TrainConfig(cpus_per_worker=8, use_gpu=True), table) == 511 * 8 + 3
     with pytest.raises(ConfigError) as refused:  # one worker per GPU takes every CPU: none left for data loading
         check_fits(TrainConfig(num_workers=511 * 8 + 4, cpus_per_worker=8, use_gpu=True), table)
-    assert str(refused.value).startswith("asked for 4092 workers x 8 CPU + 1 GPU, but the 512 node(s) hold 4091 ")
+    assert str(refused.value).startswith("asked for 4092 workers x 8 CPU + 1 GPU, but the 512 nodes hold 4091 ")
     assert str(refused.value).endswith(
         "(511 nodes of 64 CPU, 8 GPU, 512.0 GiB; 1 node of 32 CPU, 4 GPU, 512.0 GiB); try --num-workers 4091"
     )

@@ -304,10 +304,10 @@ class Launcher:
 
         plan = self.plan
         log.info(
-            "job %d (restart count %d): %d node(s): %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
+            "job %d (restart count %d): %s: %s; head %s (%s); ray %s; python %s (raytrain_ddp from %s)",
             plan.job_id,
             plan.restart_count,
-            len(plan.nodes),
+            plural(len(plan.nodes), "node"),
             " ".join(plan.nodes),
             plan.head,
             plan.head_ip,
@@ -492,7 +492,7 @@ class Launcher:
                 EXIT_BRINGUP,
             )
         Path(job_dir, "netcheck.ok").touch()
-        log.info("network check passed: all %d node(s) reach each other", len(plan.nodes))
+        log.info("network check passed: all %s reach each other", plural(len(plan.nodes), "node"))
 
     def run_dir(self, chosen: dict) -> RunPath:
         where = planning.run_location(
@@ -561,7 +561,7 @@ class Launcher:
 
         plan = self.plan
         want = len(plan.nodes)
-        log.info("waiting up to %.0fs for %d node(s) to join %s", timeout, want, plan.head_address)
+        log.info("waiting up to %.0fs for %s to join %s", timeout, plural(want, "node"), plan.head_address)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -579,7 +579,8 @@ class Launcher:
             while True:
                 table = preflight.node_table()
                 if len(table) >= want:
-                    log.info("all %d node(s) joined: %s", want, some_names(sorted(n["hostname"] for n in table)))
+                    joined = some_names(sorted(n["hostname"] for n in table))
+                    log.info("all %s joined: %s", plural(want, "node"), joined)
                     return int(sum(n["cpus"] for n in table)), int(sum(n["gpus"] for n in table))
                 missing = self.missing_nodes(table)
                 dead = [i for i, step in enumerate(self.steps) if step.poll() is not None and plan.nodes[i] in missing]
@@ -627,7 +628,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self.trainer.kill()
         if self.steps:
-            log.info("stopping Ray on %d node(s)", len(plan.nodes))
+            log.info("stopping Ray on %s", plural(len(plan.nodes), "node"))
             Path(plan.job_dir, "stop").touch()  # each node's step watches for it, stops its Ray and exits
             deadline = time.monotonic() + 15  # (Slurm's KillWait, 30 s by default, bounds the whole cleanup)
             while any(s.poll() is None for s in self.steps) and time.monotonic() < deadline:

@@ -78,7 +78,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data import paths, synthetic
 from raytrain_ddp.data.format import decode_images
 from raytrain_ddp.data.validate import check_dataset
-from raytrain_ddp.errors import ConfigError, DataReadError
+from raytrain_ddp.errors import ConfigError, DataReadError, named
 from raytrain_ddp.plugins import call_plugin
 
 log = logging.getLogger("raytrain_ddp")
@@ -227,7 +227,7 @@ def plugin_plan(config: TrainConfig, dataset_fn, label: str) -> DataPlan:
     missing = {"x", "y"} - set(sample)
     if missing:
         raise ConfigError(
-            f"{flag}: training rows lack column(s) {', '.join(sorted(missing))}; they hold {', '.join(sorted(sample))}"
+            f"{flag}: training rows lack {named('column', sorted(missing))}; they hold {', '.join(sorted(sample))}"
         )
     labels = sample["y"]
     num_classes = int(datasets["train"].max("y")) + 1 if labels.ndim == 1 else int(labels.max()) + 1

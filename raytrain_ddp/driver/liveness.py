@@ -133,14 +133,14 @@ class Liveness:
                 f"unchanged for {now - p['moved_at']:.0f}s{unheard}"
             )
         if len(seen) > STALL_RANKS_SHOWN:
-            parts.append(f"{len(seen) - STALL_RANKS_SHOWN} more rank(s) as far along or further")
+            parts.append(f"{plural(len(seen) - STALL_RANKS_SHOWN, 'more rank')} as far along or further")
         silent = [r for r in sorted(workers) if r not in self.positions]
         parts += [
             f"rank {r} on {workers[r].get('hostname', '?')}: no news since it started"
             for r in silent[:STALL_RANKS_SHOWN]
         ]
         if len(silent) > STALL_RANKS_SHOWN:
-            parts.append(f"{len(silent) - STALL_RANKS_SHOWN} more rank(s) with no news since they started")
+            parts.append(f"{plural(len(silent) - STALL_RANKS_SHOWN, 'more rank')} with no news since they started")
         return "; ".join(parts + self._describe_silent_nodes())
 
     def _describe_silent_nodes(self) -> list[str]:

@@ -26,7 +26,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight, stacks
 from raytrain_ddp.driver.monitor import RunRecorder, Verdict
 from raytrain_ddp.driver.run_lock import RunLock
-from raytrain_ddp.errors import one_line, plural
+from raytrain_ddp.errors import named, one_line, plural
 
 log = logging.getLogger("raytrain_ddp")
 progress_log = logging.getLogger("raytrain_ddp.progress")  # driver.log only
@@ -157,7 +157,7 @@ def _note_node_changes(config: TrainConfig, recorder: RunRecorder, node_watch: N
     lost, joined = node_watch.changes()
     for node in lost:
         ranks = recorder.node_lost(node)
-        on_it = f": rank(s) {', '.join(map(str, ranks))} ran there" if ranks else ""
+        on_it = f": {named('rank', ranks)} ran there" if ranks else ""
         log.error("Lost node %s (%s) from the Ray cluster%s", node["hostname"], node["node_ip"], on_it)
         if ranks:
             log.warning(
@@ -187,15 +187,13 @@ def _note_silent_nodes(recorder: RunRecorder) -> None:
 def _capacity_verdict(config: TrainConfig, recorder: RunRecorder) -> str:
     """Why the run gives up after a node loss, and what to do: one line."""
     lost = "; ".join(
-        f"{n['hostname']} ({n['node_ip']}, rank(s) {', '.join(map(str, n['ranks']))})"
-        for n in recorder.lost_nodes
-        if n["ranks"]
+        f"{n['hostname']} ({n['node_ip']}, {named('rank', n['ranks'])})" for n in recorder.lost_nodes if n["ranks"]
     )
     fits = preflight.most_workers(config, preflight.node_table())
     hint = "" if config.min_workers or not fits else f", or let it go on with fewer: --min-workers {fits}"
     return (
-        f"lost node {lost} after {len(recorder.epochs)} epoch(s); "
-        f"room for {config.fewest_workers} worker(s) did not come "
+        f"lost node {lost} after {plural(len(recorder.epochs), 'epoch')}; "
+        f"room for {plural(config.fewest_workers, 'worker')} did not come "
         f"back within {config.capacity_wait_s}s (the cluster now holds {fits}); the checkpoints are kept: "
         f"run the same command again when the nodes are back{hint}"
     )

@@ -216,7 +216,7 @@ def test_the_cifar10_example_prepares_and_trains_on_two_nodes_after_a_port_colli
     assert m and int(m.group(1)) != port, show(job)
     assert re.search(rf"trainer: .* --address 198\.18\.0\.11:{m.group(1)} ", log), show(job)  # the moved port
     assert "--scale-lr" in log and "resnet18" in log, show(job)  # the example's settings reached the trainer
-    assert "all 2 node(s) joined" in log, show(job)
+    assert "all 2 nodes joined" in log, show(job)
     assert re.search(r"ssh -N -L 8265:198\.18\.0\.11:\d+ ", log), "ssh tunnel command missing"
     assert "auth_token" in log and not TOKEN_RE.search(log), "token file must be named, the token never printed"
     assert "trainer exited with code 0" in log, show(job)
