@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from ray import cloudpickle
 from raytrain_ddp import session
 from raytrain_ddp.errors import ScriptFailed, ScriptKilled
 from raytrain_ddp.plugins import add_import_roots
+from raytrain_ddp.storage import RemotePath, Spool, copy_tree, location
 from raytrain_ddp.worker.metrics import Heartbeat, monitor_post
 from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
 
@@ -88,7 +90,9 @@ class Supervisor:
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.local_rank, self.node_rank = context.get_local_rank(), context.get_node_rank()
         self.local_world_size = context.get_local_world_size()
-        self.monitor, self.run_dir = loop_config["monitor"], loop_config["run_dir"]
+        self.monitor, self.run_dir = loop_config["monitor"], location(loop_config["run_dir"])
+        self.logs = Spool(self.run_dir / "logs", fetch=(rank_log("", self.rank).name,))
+        self.checkpoint = self._local_checkpoint()
         self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
         self.busy_beats = 0  # beats in which the rank printed, reported or computed: its liveness
         self.output: list[str] = []  # teed lines not yet sent to the driver
@@ -113,11 +117,23 @@ class Supervisor:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
+    def _local_checkpoint(self) -> Path:
+        """The script's checkpoint folder: the run directory's, or with object storage a local folder holding
+        the store's copy (every rank reads it; rank zero's changes are uploaded, see session.upload_checkpoint)."""
+        stored = self.run_dir / "checkpoint"
+        if not isinstance(stored, RemotePath):
+            return stored
+        local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-")) / "checkpoint"
+        if stored.is_dir() and stored.iterdir():
+            copy_tree(stored, local)
+        return local
+
     def session_env(self) -> dict[str, str]:
-        return {
-            session.SESSION_ENV: str(self.channel.path),
-            session.CHECKPOINT_DIR_ENV: str(Path(self.run_dir) / "checkpoint"),
-        }
+        env = {session.SESSION_ENV: str(self.channel.path), session.CHECKPOINT_DIR_ENV: str(self.checkpoint)}
+        stored = self.run_dir / "checkpoint"
+        if isinstance(stored, RemotePath) and self.rank == 0:
+            env[session.CHECKPOINT_STORE_ENV] = stored.uri
+        return env
 
     def _beat_forever(self) -> None:
         stop_passed, seen = False, (0, 0, self.cpu_of())
@@ -153,6 +169,9 @@ class Supervisor:
         self.send_output(wait=True)
         self.heartbeat.step_records.extend(self.channel.new_reports())
         self.heartbeat.send_step_records(lambda steps: ray.get(self.monitor.add_step_records.remote(self.rank, steps)))
+        self.logs.upload()
+        if isinstance(self.run_dir, RemotePath):  # the store holds what rank zero saved
+            shutil.rmtree(self.checkpoint.parent, ignore_errors=True)
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -213,7 +232,7 @@ def run_script_per_worker(loop_config: dict) -> None:
             env[key] = os.environ[key]
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log as they are printed
     cwd = loop_config["cwd"] if os.path.isdir(loop_config["cwd"]) else os.path.dirname(script)
-    log_path = rank_log(loop_config["run_dir"], supervisor.rank)
+    log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", script, *args]
     child = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -280,4 +299,5 @@ def run_function_per_worker(loop_config: dict) -> None:
     try:
         function() if args is None else function(args)
     finally:
+        session.upload_checkpoint()
         supervisor.finish()
