@@ -211,6 +211,9 @@ def test_a_training_function_runs_in_the_process_group_with_the_session(ray_addr
     steps = [json.loads(line) for line in (result.run_dir / "steps.jsonl").read_text().splitlines()]
     assert [record["step"] for record in steps] == [1, 2, 3] and steps[-1]["loss"] < steps[0]["loss"]
     assert result.final_metrics["loss"] == steps[-1]["loss"]
+    # its print() output teed as a script's is: rank 0's on the console, each rank's in its log
+    assert "[rank 0] rank 0 of 2 done" in (result.run_dir / "driver.log").read_text()  # the console's lines
+    assert "rank 1 of 2 done" in (result.run_dir / "logs" / "rank-1.log").read_text()
 
 
 def test_launch_refuses_a_setting_it_does_not_take(tmp_path):

@@ -82,20 +82,18 @@ class LaunchedWork:
     def describe(self, config: TrainConfig, workers: int) -> None:
         log.info("Launching %s on %s x %s", self.what, plural(workers, "worker"), describe_device(config))
         warn_if_fewer(config, workers)
-        if self.script:
-            teed = "every rank's" if self.tee == "all" else "rank 0's"
-            log.info("Each rank's output: %s; %s on the console", rank_log(str(config.run_dir), "N"), teed)
+        teed = "every rank's" if self.tee == "all" else "rank 0's"
+        log.info("Each rank's output: %s; %s on the console", rank_log(str(config.run_dir), "N"), teed)
 
     def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
         """Ray Train's training function and its config; no datasets."""
-        loop_config = {"monitor": monitor, "run_dir": uri_of(config.run_dir), "run_name": config.name}
+        loop_config = {"monitor": monitor, "run_dir": uri_of(config.run_dir), "run_name": config.name, "tee": self.tee}
         if self.script:
             loop_config |= {
                 "script": self.script,
                 "script_args": self.script_args,
                 "environment": self.environment,
                 "cwd": self.cwd,
-                "tee": self.tee,
             }
             return run_script_per_worker, loop_config, {}, None
         # pickled here, unpickled on the worker once the function's module is on its path (a Ray this process

@@ -13,6 +13,8 @@ itself, in the process group Ray Train set up, with the same session.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
 import logging
 import os
@@ -156,6 +158,13 @@ class Supervisor:
                 self.channel.request_stop()
                 self.on_stop(self.heartbeat.stop_reason)
 
+    def take_line(self, line: str, teed: bool) -> None:
+        """One line of the rank's output: progress, and for the console if teed."""
+        self.lines += 1
+        if teed:
+            with self.output_lock:
+                self.output.append(line)
+
     def send_output(self, wait: bool = False) -> None:
         with self.output_lock:
             lines, self.output = self.output, []
@@ -267,11 +276,29 @@ def _pump_output(child: subprocess.Popen, log_path: Path, supervisor: Supervisor
             log_file.flush()
             line = raw.decode(errors="replace").rstrip("\n")
             tail.append(line)
-            supervisor.lines += 1
-            if teed:
-                with supervisor.output_lock:
-                    supervisor.output.append(line)
+            supervisor.take_line(line, teed)
     return tail
+
+
+class _RankOutput(io.TextIOBase):
+    """A launched function's stdout, as a script's output is taken: whole lines to its rank's log and, teed,
+    to the driver's console."""
+
+    def __init__(self, supervisor: Supervisor, log_file, teed: bool) -> None:
+        self.supervisor, self.log_file, self.teed, self.partial = supervisor, log_file, teed, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.log_file.write(text)
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.supervisor.take_line(line, self.teed)
+        return len(text)
+
+    def flush(self) -> None:
+        self.log_file.flush()
 
 
 def _exception_of(lines: collections.deque) -> str | None:
@@ -296,8 +323,12 @@ def run_function_per_worker(loop_config: dict) -> None:
     os.environ.update(supervisor.session_env())
     add_import_roots(loop_config["import_roots"])
     function, args = cloudpickle.loads(loop_config["function"])
+    log_path = supervisor.logs.local / rank_log("", supervisor.rank).name
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    teed = loop_config["tee"] == "all" or supervisor.rank == 0
     try:
-        function() if args is None else function(args)
+        with log_path.open("a") as log_file, contextlib.redirect_stdout(_RankOutput(supervisor, log_file, teed)):
+            function() if args is None else function(args)
     finally:
         session.upload_checkpoint()
         supervisor.finish()
