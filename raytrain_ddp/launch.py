@@ -121,7 +121,7 @@ def launch(target: Callable | str, args: Any = None, **settings: Any):
     if isinstance(target, str):
         work = LaunchedWork(script=target, script_args=[str(arg) for arg in args or ()], tee=tee)
     elif callable(target):
-        work = LaunchedWork(function=target, function_args=args)
+        work = LaunchedWork(function=target, function_args=args, tee=tee)
     else:
         raise ConfigError(f"launch() runs a function or a script's path, not {type(target).__name__}")
     return run(config, work)

@@ -8,9 +8,12 @@
 
 Under ``raytrain-ddp launch`` (a script) or ``raytrain_ddp.launch(fn)`` (a function) the project sets
 :data:`SESSION_ENV` (this rank's channel: a folder it reads ``reports.jsonl`` from and writes ``stop`` in) and
-:data:`CHECKPOINT_DIR_ENV`. Elsewhere (plain ``torchrun``, ``python script.py``) reports are printed by rank
-zero, the checkpoint folder is ``$RAYTRAIN_DDP_CHECKPOINT_DIR`` or ``./checkpoints``, and ``should_stop()``
-turns true when SIGUSR1 or SIGTERM arrives (torchrun forwards SIGTERM): the same script runs everywhere.
+:data:`CHECKPOINT_DIR_ENV`; with object storage (``--storage-path s3://...``) rank zero's process also gets
+:data:`CHECKPOINT_STORE_ENV`, the store's copy of the checkpoint folder, which its local folder is uploaded to
+(what changed) at each report and when the script exits. Elsewhere (plain ``torchrun``, ``python script.py``)
+reports are printed by rank zero, the checkpoint folder is ``$RAYTRAIN_DDP_CHECKPOINT_DIR`` or ``./checkpoints``,
+and ``should_stop()`` turns true when SIGUSR1 or SIGTERM arrives (torchrun forwards SIGTERM): the same script
+runs everywhere.
 This module imports neither torch nor Ray.
 """
 
@@ -25,12 +28,14 @@ from pathlib import Path
 
 SESSION_ENV = "RAYTRAIN_DDP_SESSION"
 CHECKPOINT_DIR_ENV = "RAYTRAIN_DDP_CHECKPOINT_DIR"
+CHECKPOINT_STORE_ENV = "RAYTRAIN_DDP_CHECKPOINT_STORE"  # rank zero's, with object storage: the folder's URI
 REPORTS_FILE = "reports.jsonl"
 STOP_FILE = "stop"
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 _reports_made = 0  # this process's reports: the default step
 _signalled: list[str] = []  # a stop signal caught by the handler should_stop() installs
+_uploaded: dict[str, tuple[int, int]] = {}  # the checkpoint folder's files as last uploaded: (size, mtime)
 
 
 def report(metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -41,6 +46,7 @@ def report(metrics: Mapping[str, float], step: int | None = None) -> None:
     numbers = {key: _number(key, value) for key, value in metrics.items()}
     record = {"step": _reports_made if step is None else int(step), **numbers}
     _reports_made += 1
+    upload_checkpoint()  # before the driver can read the report: what was saved before it is in the store
     channel = os.environ.get(SESSION_ENV)
     if channel:
         with open(Path(channel) / REPORTS_FILE, "a") as file:  # one line per write: the reader sees whole lines
@@ -56,6 +62,17 @@ def checkpoint_dir() -> Path:
     path = Path(os.environ.get(CHECKPOINT_DIR_ENV) or "checkpoints")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def upload_checkpoint() -> None:
+    """With object storage, rank zero's: the checkpoint folder's new and changed files to the store (and files
+    deleted there too). Here, in the script's own process, between its calls: never a file half written.
+    Called by :func:`report` and when the script exits; elsewhere it does nothing."""
+    store = os.environ.get(CHECKPOINT_STORE_ENV)
+    if store:
+        from raytrain_ddp import storage  # pyarrow: only where there is a store
+
+        storage.upload_changed(checkpoint_dir(), storage.location(store), _uploaded)
 
 
 def should_stop() -> bool:

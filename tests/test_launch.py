@@ -211,6 +211,9 @@ def test_a_training_function_runs_in_the_process_group_with_the_session(ray_addr
     steps = [json.loads(line) for line in (result.run_dir / "steps.jsonl").read_text().splitlines()]
     assert [record["step"] for record in steps] == [1, 2, 3] and steps[-1]["loss"] < steps[0]["loss"]
     assert result.final_metrics["loss"] == steps[-1]["loss"]
+    # its print() output teed as a script's is: rank 0's on the console, each rank's in its log
+    assert "[rank 0] rank 0 of 2 done" in (result.run_dir / "driver.log").read_text()  # the console's lines
+    assert "rank 1 of 2 done" in (result.run_dir / "logs" / "rank-1.log").read_text()
 
 
 def test_launch_refuses_a_setting_it_does_not_take(tmp_path):
@@ -235,3 +238,45 @@ def test_a_hung_rank_is_found_by_its_stack_and_named(ray_address, tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("Training failed: watchdog: no rank made progress")
     driver_log = (tmp_path / "hung" / "driver.log").read_text()
     assert "rank 0's stack (py-spy dump)" in driver_log and "all_reduce (torch/distributed/" in driver_log
+
+
+def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resumes_in_a_fresh_directory(
+    ray_address, s3_server, tmp_path
+):
+    """`--storage-path s3://...`: checkpoint_dir() is a local folder uploaded to the store; stopped by USR1 (exit
+    75) and run again from a fresh working directory, the script resumes from the store's snapshot and ends with
+    the loss of an uninterrupted torchrun run."""
+    import pyarrow.fs as pafs
+
+    epochs = ("--epochs", "12")
+    plain = _torchrun(SESSION_SCRIPT, *epochs, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    storage = f"s3://raytrain/launched?endpoint_override={s3_server}&scheme=http"
+    fs, run = pafs.S3FileSystem(endpoint_override=s3_server, scheme="http"), "raytrain/launched/session"
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    command = [*_launch_command(ray_address, first, "session", str(SESSION_SCRIPT), *epochs, "--step-seconds", "0.05")]
+    command[command.index(str(first))] = storage
+    stopping = subprocess.Popen(command, cwd=first, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while fs.get_file_info(f"{run}/checkpoint/snapshot.pt").type == pafs.FileType.NotFound:
+            assert time.monotonic() < deadline and stopping.poll() is None, "no snapshot reached the store"
+            time.sleep(0.2)
+        stopping.send_signal(signal.SIGUSR1)
+        output = stopping.communicate(timeout=300)[0]
+    finally:
+        stopping.kill()
+    assert stopping.returncode == 75, output[-3000:]
+    with fs.open_input_stream(f"{run}/summary.json") as stream:
+        done = json.loads(stream.read())["final_metrics"]["step"]
+    assert done < 12, done
+
+    again = subprocess.run(command, cwd=second, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr
+    with fs.open_input_stream(f"{run}/steps.jsonl") as stream:
+        last = json.loads(stream.read().decode().splitlines()[-1])
+    rank_zero_loss = last["loss_per_rank"][0] if "loss_per_rank" in last else last["loss"]
+    assert last["step"] == 12 and f"step 12: loss {rank_zero_loss:.6g}" in plain.stdout, (last, plain.stdout[-500:])
+    assert fs.get_file_info(f"{run}/logs/rank-1.log").type == pafs.FileType.File

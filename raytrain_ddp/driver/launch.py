@@ -22,7 +22,7 @@ from raytrain_ddp.driver.fit import describe_device, warn_if_fewer
 from raytrain_ddp.errors import ConfigError, plural
 from raytrain_ddp.launch import LAUNCH_FIELDS
 from raytrain_ddp.plugins import import_root
-from raytrain_ddp.storage import RemotePath, RunPath
+from raytrain_ddp.storage import RunPath, uri_of
 from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.launched import rank_log, run_function_per_worker, run_script_per_worker
 
@@ -63,11 +63,6 @@ class LaunchedWork:
             self.script = _script_path(self.script)
         if self.tee not in TEE_CHOICES:
             raise ConfigError(f"--tee {self.tee!r} is unknown; choose one of: {', '.join(TEE_CHOICES)}")
-        if isinstance(config.run_dir, RemotePath):
-            raise ConfigError(
-                "launch writes its ranks' logs and checkpoint folder to a shared file system: give --storage-path "
-                "a folder every node sees (object storage is for the built-in loop's runs)"
-            )
         if run_directory.read_summary(config.run_dir).status == "finished":
             raise ConfigError(
                 f"run {config.name!r} already finished in {config.run_dir}; choose a new --name to run it again"
@@ -87,20 +82,18 @@ class LaunchedWork:
     def describe(self, config: TrainConfig, workers: int) -> None:
         log.info("Launching %s on %s x %s", self.what, plural(workers, "worker"), describe_device(config))
         warn_if_fewer(config, workers)
-        if self.script:
-            teed = "every rank's" if self.tee == "all" else "rank 0's"
-            log.info("Each rank's output: %s; %s on the console", rank_log(str(config.run_dir), "N"), teed)
+        teed = "every rank's" if self.tee == "all" else "rank 0's"
+        log.info("Each rank's output: %s; %s on the console", rank_log(str(config.run_dir), "N"), teed)
 
     def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
         """Ray Train's training function and its config; no datasets."""
-        loop_config = {"monitor": monitor, "run_dir": str(config.run_dir), "run_name": config.name}
+        loop_config = {"monitor": monitor, "run_dir": uri_of(config.run_dir), "run_name": config.name, "tee": self.tee}
         if self.script:
             loop_config |= {
                 "script": self.script,
                 "script_args": self.script_args,
                 "environment": self.environment,
                 "cwd": self.cwd,
-                "tee": self.tee,
             }
             return run_script_per_worker, loop_config, {}, None
         # pickled here, unpickled on the worker once the function's module is on its path (a Ray this process

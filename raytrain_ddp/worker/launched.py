@@ -13,10 +13,13 @@ itself, in the process group Ray Train set up, with the same session.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +38,7 @@ from ray import cloudpickle
 from raytrain_ddp import session
 from raytrain_ddp.errors import ScriptFailed, ScriptKilled
 from raytrain_ddp.plugins import add_import_roots
+from raytrain_ddp.storage import RemotePath, Spool, copy_tree, location
 from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
 from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
 
@@ -88,7 +92,9 @@ class Supervisor:
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.local_rank, self.node_rank = context.get_local_rank(), context.get_node_rank()
         self.local_world_size = context.get_local_world_size()
-        self.monitor, self.run_dir = loop_config["monitor"], loop_config["run_dir"]
+        self.monitor, self.run_dir = loop_config["monitor"], location(loop_config["run_dir"])
+        self.logs = Spool(self.run_dir / "logs", fetch=(rank_log("", self.rank).name,))
+        self.checkpoint = self._local_checkpoint()
         self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
         self.busy_beats = 0  # beats in which the rank printed, reported or computed: its liveness
         self.output: list[str] = []  # teed lines not yet sent to the driver
@@ -114,11 +120,23 @@ class Supervisor:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
+    def _local_checkpoint(self) -> Path:
+        """The script's checkpoint folder: the run directory's, or with object storage a local folder holding
+        the store's copy (every rank reads it; rank zero's changes are uploaded, see session.upload_checkpoint)."""
+        stored = self.run_dir / "checkpoint"
+        if not isinstance(stored, RemotePath):
+            return stored
+        local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-")) / "checkpoint"
+        if stored.is_dir() and stored.iterdir():
+            copy_tree(stored, local)
+        return local
+
     def session_env(self) -> dict[str, str]:
-        return {
-            session.SESSION_ENV: str(self.channel.path),
-            session.CHECKPOINT_DIR_ENV: str(Path(self.run_dir) / "checkpoint"),
-        }
+        env = {session.SESSION_ENV: str(self.channel.path), session.CHECKPOINT_DIR_ENV: str(self.checkpoint)}
+        stored = self.run_dir / "checkpoint"
+        if isinstance(stored, RemotePath) and self.rank == 0:
+            env[session.CHECKPOINT_STORE_ENV] = stored.uri
+        return env
 
     def _beat_forever(self) -> None:
         stop_passed, seen = False, (0, 0, self.cpu_of())
@@ -141,6 +159,13 @@ class Supervisor:
                 self.channel.request_stop()
                 self.on_stop(self.heartbeat.stop_reason)
 
+    def take_line(self, line: str, teed: bool) -> None:
+        """One line of the rank's output: progress, and for the console if teed."""
+        self.lines += 1
+        if teed:
+            with self.output_lock:
+                self.output.append(line)
+
     def send_output(self, wait: bool = False) -> None:
         with self.output_lock:
             lines, self.output = self.output, []
@@ -154,6 +179,9 @@ class Supervisor:
         self.send_output(wait=True)
         self.heartbeat.step_records.extend(self.channel.new_reports())
         self.heartbeat.send_step_records(self.link.add_step_records)
+        self.logs.upload()
+        if isinstance(self.run_dir, RemotePath):  # the store holds what rank zero saved
+            shutil.rmtree(self.checkpoint.parent, ignore_errors=True)
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -214,7 +242,7 @@ def run_script_per_worker(loop_config: dict) -> None:
             env[key] = os.environ[key]
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log as they are printed
     cwd = loop_config["cwd"] if os.path.isdir(loop_config["cwd"]) else os.path.dirname(script)
-    log_path = rank_log(loop_config["run_dir"], supervisor.rank)
+    log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", script, *args]
     child = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -249,11 +277,29 @@ def _pump_output(child: subprocess.Popen, log_path: Path, supervisor: Supervisor
             log_file.flush()
             line = raw.decode(errors="replace").rstrip("\n")
             tail.append(line)
-            supervisor.lines += 1
-            if teed:
-                with supervisor.output_lock:
-                    supervisor.output.append(line)
+            supervisor.take_line(line, teed)
     return tail
+
+
+class _RankOutput(io.TextIOBase):
+    """A launched function's stdout, as a script's output is taken: whole lines to its rank's log and, teed,
+    to the driver's console."""
+
+    def __init__(self, supervisor: Supervisor, log_file, teed: bool) -> None:
+        self.supervisor, self.log_file, self.teed, self.partial = supervisor, log_file, teed, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.log_file.write(text)
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.supervisor.take_line(line, self.teed)
+        return len(text)
+
+    def flush(self) -> None:
+        self.log_file.flush()
 
 
 def _exception_of(lines: collections.deque) -> str | None:
@@ -278,7 +324,12 @@ def run_function_per_worker(loop_config: dict) -> None:
     os.environ.update(supervisor.session_env())
     add_import_roots(loop_config["import_roots"])
     function, args = cloudpickle.loads(loop_config["function"])
+    log_path = supervisor.logs.local / rank_log("", supervisor.rank).name
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    teed = loop_config["tee"] == "all" or supervisor.rank == 0
     try:
-        function() if args is None else function(args)
+        with log_path.open("a") as log_file, contextlib.redirect_stdout(_RankOutput(supervisor, log_file, teed)):
+            function() if args is None else function(args)
     finally:
+        session.upload_checkpoint()
         supervisor.finish()

@@ -3,7 +3,8 @@
 The launched worker (:mod:`.launched`) starts each rank's script through this: `runpy.run_path` runs it as
 ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python itself sets them. Two things are added, neither
 seen by the script: the process ends with its worker (a killed worker leaves no orphan blocked in a
-collective), and a call of ``torch.distributed.init_process_group`` is noted in the session folder, so that a
+collective), what it saved in ``session.checkpoint_dir()`` is uploaded when it exits (with object storage), and a
+call of ``torch.distributed.init_process_group`` is noted in the session folder, so that a
 script that never joins the group is named instead of training alone on every rank.
 """
 
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
-from raytrain_ddp.session import SESSION_ENV
+from raytrain_ddp.session import SESSION_ENV, upload_checkpoint
 
 PARENT_PID_ENV = "RAYTRAIN_DDP_PARENT_PID"
 PROCESS_GROUP_MARK = "process_group"  # in the session folder once the script called init_process_group
@@ -80,6 +81,8 @@ def main() -> None:
         trimmed = error.with_traceback(_from_script(error.__traceback__, os.path.abspath(script)))
         sys.excepthook(type(error), trimmed, trimmed.__traceback__)  # torch's hook reads the error's own
         sys.exit(1)
+    finally:
+        upload_checkpoint()  # however it ended, what it saved is in the store (with object storage)
 
 
 def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
