@@ -15,10 +15,12 @@ from pathlib import Path
 from raytrain_ddp.redact import redact
 
 EXIT_BAD_INPUT = 2  # bad input or a request the cluster cannot hold: nothing was started
-EXIT_STORAGE_FULL = 74  # EX_IOERR: the run's storage is full, over quota or read-only (StorageFull)
+EXIT_STORAGE_FULL = 74  # EX_IOERR: the run's storage is full, over quota, read-only or failed (StorageFull)
 # OS errors that every attempt to write the same bytes to the same file system would repeat: full, over quota, or
 # no room at all (a mount turned read-only, as a file system with errors turns itself)
 READ_ONLY = "read-only file system"
+# the start of StorageFull's reason for an object store that failed past its retry budget (raytrain_ddp.storage)
+STORE_FAILED = "the object store failed"
 STORAGE_FULL_ERRNOS = {
     errno.ENOSPC: "no space left on device",
     errno.EDQUOT: "disk quota exceeded",
@@ -115,9 +117,7 @@ class StorageFull(Exception):
     def __init__(self, what: str, path: str, reason: str, free: int | None = None, total: int | None = None):
         known = free is not None and total is not None and reason != READ_ONLY
         space = f" ({_bytes(free or 0)} free of {_bytes(total or 0)})" if known else ""
-        state, remedy = (
-            ("storage read-only", "make it writable") if reason == READ_ONLY else ("storage full", "free space")
-        )
+        state, remedy = _state_and_remedy(reason)
         super().__init__(
             f"{state}: {reason} writing {what} to {path}{space}; {remedy} and run the same command again to resume"
         )
@@ -125,6 +125,12 @@ class StorageFull(Exception):
 
     def __reduce__(self):
         return type(self), (self.what, self.path, self.reason, self.free, self.total)
+
+    @classmethod
+    def store_failed(cls, error: OSError, what: str, path: object) -> StorageFull:
+        """An object store that kept failing past the retry budget, or refused outright (access denied, no
+        bucket), writing `what` to `path`: the same write would fail again until someone fixes the store."""
+        return cls(what, str(path), f"{STORE_FAILED} ({one_line(error)})")
 
     @classmethod
     def of(cls, error: OSError, what: str, path: str | os.PathLike | object) -> StorageFull:
@@ -141,6 +147,15 @@ class StorageFull(Exception):
             "free_bytes": self.free,
             "total_bytes": self.total,
         }
+
+
+def _state_and_remedy(reason: str) -> tuple[str, str]:
+    """What StorageFull's line says the storage is, and what to do about it, for `reason`."""
+    if reason == READ_ONLY:
+        return "storage read-only", "make it writable"
+    if reason.startswith(STORE_FAILED):
+        return "storage failed", "bring the store back (or fix its access)"
+    return "storage full", "free space"
 
 
 @contextlib.contextmanager

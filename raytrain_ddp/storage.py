@@ -19,18 +19,37 @@ import contextlib
 import fnmatch
 import functools
 import io
+import logging
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
 from raytrain_ddp.data.paths import is_uri
-from raytrain_ddp.errors import ConfigError, one_line
+from raytrain_ddp.errors import ConfigError, StorageFull, one_line
 from raytrain_ddp.redact import redact
+
+log = logging.getLogger(__name__)
+
+# How long one object-store write keeps retrying a store that fails in passing (5xx, throttling, a refused or
+# reset connection, a timeout) before the run ends (StorageFull, exit 74): long enough for a store's restart or
+# a throttling burst, short enough that a store that is gone does not hold the run. The environment variable
+# overrides it (seconds).
+RETRY_BUDGET_ENV = "RAYTRAIN_STORAGE_RETRY_S"
+RETRY_BUDGET_S = 60.0
+RETRY_FIRST_WAIT_S, RETRY_LONGEST_WAIT_S = 0.5, 8.0
+# pyarrow's S3 errors carry the AWS error name and the HTTP status in their text (they have no errno)
+_TRANSIENT = re.compile(
+    r"response code: 5\d\d|SLOW_?DOWN|THROTTL|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|NETWORK_CONNECTION|curlCode"
+    r"|timed? ?out|connection (refused|reset)|broken pipe",
+    re.IGNORECASE,
+)
 
 
 class RemotePath:
@@ -114,9 +133,13 @@ class RemotePath:
         return self.read_bytes().decode("utf-8", errors=errors)
 
     def write_bytes(self, data: bytes) -> None:
-        """One PUT: on object storage the object is replaced whole or not at all."""
-        with self.fs.open_output_stream(self.path) as stream:
-            stream.write(data)
+        """One PUT: on object storage the object is replaced whole or not at all (retried, see `retried`)."""
+
+        def put() -> None:
+            with self.fs.open_output_stream(self.path) as stream:
+                stream.write(data)
+
+        retried(f"{self.name}", self, put)
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         self.fs.create_dir(self.path, recursive=True)  # object storage has no directories: nothing is made
@@ -208,8 +231,12 @@ def copy_tree(source: RunPath, target: RunPath) -> None:
         shutil.copytree(source, target)
         return
     (source_path, source_fs), (target_path, target_fs) = _fs_path(source), _fs_path(target)
-    target_fs.create_dir(target_path)  # a local target's files are opened in it: it must be there first
-    pafs.copy_files(source_path, target_path, source_filesystem=source_fs, destination_filesystem=target_fs)
+
+    def copy() -> None:
+        target_fs.create_dir(target_path)  # a local target's files are opened in it: it must be there first
+        pafs.copy_files(source_path, target_path, source_filesystem=source_fs, destination_filesystem=target_fs)
+
+    retried(f"a copy of {source.name}", target, copy)
 
 
 @contextlib.contextmanager
@@ -262,12 +289,14 @@ class Spool:
     def upload(self) -> None:
         if isinstance(self.target, Path):
             return
-        pafs.copy_files(
-            str(self.local),
-            self.target.path,
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=self.target.fs,
-        )
+        target = self.target
+
+        def copy() -> None:
+            pafs.copy_files(
+                str(self.local), target.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs
+            )
+
+        retried(f"the files of {target.name}", target, copy)
         shutil.rmtree(self.local, ignore_errors=True)
 
 
@@ -287,3 +316,45 @@ def upload_changed(local: Path, target: RunPath, uploaded: dict[str, tuple[int, 
     for name in set(uploaded) - set(now):
         (target / name).unlink(missing_ok=True)
         del uploaded[name]
+
+
+def transient(error: OSError) -> bool:
+    """An object-store error that a later attempt may not meet (5xx, throttling, connection, timeout)."""
+    return bool(_TRANSIENT.search(str(error)))
+
+
+def retry_budget_s() -> float:
+    return float(os.environ.get(RETRY_BUDGET_ENV, RETRY_BUDGET_S))
+
+
+def retried(what: str, where: RunPath, write: Callable[[], None]) -> None:
+    """Run `write` (writing `what` to `where`); on object storage retry a transient failure with exponential
+    backoff for up to the retry budget, saying so in one WARNING (not one per attempt). A store that still fails
+    then, or that refuses outright (access denied, no bucket), raises StorageFull: the run ends at once."""
+    if isinstance(where, Path):
+        write()
+        return
+    deadline, wait, warned = time.monotonic() + retry_budget_s(), RETRY_FIRST_WAIT_S, False
+    while True:
+        try:
+            write()
+        except FileNotFoundError:
+            raise
+        except OSError as err:
+            if not transient(err) or time.monotonic() + wait > deadline:
+                raise StorageFull.store_failed(err, what, where) from err
+            if not warned:
+                log.warning(
+                    "Writing %s to %s failed (%s): retrying for up to %.0f s",
+                    what,
+                    where,
+                    one_line(err),
+                    retry_budget_s(),
+                )
+                warned = True
+            time.sleep(wait)
+            wait = min(2 * wait, RETRY_LONGEST_WAIT_S)
+            continue
+        if warned:
+            log.info("Writing %s to %s succeeded after retrying", what, where)
+        return

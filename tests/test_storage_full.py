@@ -204,7 +204,9 @@ def test_a_sharded_checkpoint_on_a_full_disk_raises_storage_full_naming_it(tmp_p
 def test_help_lists_the_exit_code():
     from raytrain_ddp.run import build_parser
 
-    assert "\n  74   the run's storage is full, over its quota or read-only (EX_IOERR)" in build_parser().format_help()
+    assert "\n  74   the run's storage is full, over its quota or read-only, or its object store failed" in (
+        build_parser().format_help()
+    )
 
 
 def test_a_mount_turned_read_only_is_told_as_such_and_the_records_wait_for_it(tmp_path):

@@ -434,8 +434,9 @@ class Launcher:
             self.requeue = True
         elif rc == EXIT_STORAGE_FULL:
             log.error(
-                "the run's storage is full or read-only: not requeued (it would fail again); free space (or make it "
-                "writable), then submit the same command again: it resumes from the latest checkpoint"
+                "the run's storage is full, read-only or failed: not requeued (it would fail again); free space (or "
+                "make it writable, or bring its object store back), then submit the same command again: it resumes "
+                "from the latest checkpoint"
             )
         elif rc == 1 and failed_on:
             if why_not := self.why_not_requeued():
