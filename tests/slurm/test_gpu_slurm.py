@@ -41,6 +41,6 @@ def test_gpus_that_cuda_visible_devices_does_not_list_fail_the_job_in_one_line(t
     errors = [line for line in job.log.splitlines() if "ERROR" in line and "[rtnode" not in line]
     assert len(errors) == 1, show(job)
     # both nodes refuse; the line names the one whose step the launcher saw end first
-    assert re.search(r"\brtnode[12]: Slurm gives this node 3 GPU\(s\)", errors[0]) and "lists 2" in errors[0], show(job)
+    assert re.search(r"\brtnode[12]: Slurm gives this node 3 GPUs", errors[0]) and "lists 2" in errors[0], show(job)
     assert "trainer:" not in job.log, show(job)
     assert_no_leftovers(job)
