@@ -245,12 +245,16 @@ def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resu
 ):
     """`--storage-path s3://...`: checkpoint_dir() is a local folder uploaded to the store; stopped by USR1 (exit
     75) and run again from a fresh working directory, the script resumes from the store's snapshot and ends with
-    the loss of an uninterrupted torchrun run."""
+    the loss of an uninterrupted run (on local storage: that one equals torchrun's, see the tests above)."""
     import pyarrow.fs as pafs
 
     epochs = ("--epochs", "12")
-    plain = _torchrun(SESSION_SCRIPT, *epochs, cwd=tmp_path)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    # The reference is launched, not torchrun'd: in `make test`'s lane (never alone, nor on its own machine) the
+    # torchrun'd script's rank 0 aborted at exit ("terminate called without an active exception") in two runs.
+    (tmp_path / "reference").mkdir()
+    reference = _launch(ray_address, tmp_path / "reference", "reference", str(SESSION_SCRIPT), *epochs)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    uninterrupted = json.loads((tmp_path / "reference" / "reference" / "steps.jsonl").read_text().splitlines()[-1])
     storage = f"s3://raytrain/launched?endpoint_override={s3_server}&scheme=http"
     fs, run = pafs.S3FileSystem(endpoint_override=s3_server, scheme="http"), "raytrain/launched/session"
     first, second = tmp_path / "first", tmp_path / "second"
@@ -277,6 +281,5 @@ def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resu
     assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr
     with fs.open_input_stream(f"{run}/steps.jsonl") as stream:
         last = json.loads(stream.read().decode().splitlines()[-1])
-    rank_zero_loss = last["loss_per_rank"][0] if "loss_per_rank" in last else last["loss"]
-    assert last["step"] == 12 and f"step 12: loss {rank_zero_loss:.6g}" in plain.stdout, (last, plain.stdout[-500:])
+    assert last["step"] == uninterrupted["step"] == 12 and last["loss"] == uninterrupted["loss"], (last, uninterrupted)
     assert fs.get_file_info(f"{run}/logs/rank-1.log").type == pafs.FileType.File
