@@ -54,6 +54,13 @@ def named(noun: str, items: Iterable) -> str:
     return f"{noun}{'s' if len(items) > 1 else ''} {', '.join(map(str, items))}"
 
 
+def bounded(items: Iterable, shown: int, sep: str = ", ") -> str:
+    """'a, b, c' or, past `shown` items, 'a, b and 502 more': a list that stays one readable line however long."""
+    items = [str(item) for item in items]
+    listed = sep.join(items[:shown])
+    return listed if len(items) <= shown else f"{listed} and {len(items) - shown} more"
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message squeezed onto one line (pyarrow messages span several), credentials masked."""
     return redact(" ".join(str(exc).split())) or type(exc).__name__

@@ -139,7 +139,7 @@ class RemotePath:
             with self.fs.open_output_stream(self.path) as stream:
                 stream.write(data)
 
-        retried(f"{self.name}", self, put)
+        retried(self.name, self, put)
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         self.fs.create_dir(self.path, recursive=True)  # object storage has no directories: nothing is made

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 
 from raytrain_ddp.cluster.health import MAX_EXCLUDING_REQUEUES, max_excluding_requeues, netcheck_timeout
-from raytrain_ddp.errors import plural
+from raytrain_ddp.errors import bounded, plural
 
 EXIT_BRINGUP = 3  # the Ray cluster could not be brought up (the log says which node and why)
 
@@ -360,10 +360,9 @@ def job_plan(
 NODES_NAMED = 10  # a join wait's message names this many missing nodes, then counts the others
 
 
-def some_names(names: list[str], shown: int = NODES_NAMED, sep: str = ", ") -> str:
-    """'a, b, c' or, past `shown` names, 'a, b, ... and 502 more': a bounded list for one log line."""
-    listed = sep.join(names[:shown])
-    return listed if len(names) <= shown else f"{listed} and {len(names) - shown} more"
+def some_names(names: list[str], sep: str = ", ") -> str:
+    """Nodes named in one log line: the first NODES_NAMED, then a count."""
+    return bounded(names, NODES_NAMED, sep)
 
 
 def missing_from(nodes: list[str], reported: Mapping[int, tuple[str, str]], table: list[dict]) -> dict[str, str]:

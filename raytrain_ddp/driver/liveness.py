@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from raytrain_ddp.errors import plural
+from raytrain_ddp.errors import bounded, plural
 from raytrain_ddp.worker.aggregator import SILENT_AFTER_S
 from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 
@@ -146,17 +146,13 @@ class Liveness:
     def _describe_silent_nodes(self) -> list[str]:
         """The nodes whose aggregator stopped posting (the node or its aggregator lost), longest silent first."""
         silent = sorted(self.silent_nodes(SILENT_AFTER_S).items(), key=lambda item: -item[1])
-        parts = [
-            f"node {host}: no message from its aggregator for {silent_s:.0f}s "
-            f"(its {plural(len(self.nodes[host]['ranks']), 'rank')}: {_some(sorted(self.nodes[host]['ranks']))})"
-            for host, silent_s in silent[:STALL_RANKS_SHOWN]
-        ]
+        parts = []
+        for host, silent_s in silent[:STALL_RANKS_SHOWN]:
+            ranks = sorted(self.nodes[host]["ranks"])
+            parts.append(
+                f"node {host}: no message from its aggregator for {silent_s:.0f}s "
+                f"(its {plural(len(ranks), 'rank')}: {bounded(ranks, STALL_RANKS_SHOWN)})"
+            )
         if len(silent) > STALL_RANKS_SHOWN:
             parts.append(f"{plural(len(silent) - STALL_RANKS_SHOWN, 'more node')} silent as long or less")
         return parts
-
-
-def _some(ranks: list[int]) -> str:
-    """A node's ranks, a bounded list."""
-    shown = ", ".join(map(str, ranks[:STALL_RANKS_SHOWN]))
-    return shown if len(ranks) <= STALL_RANKS_SHOWN else f"{shown} and {len(ranks) - STALL_RANKS_SHOWN} more"

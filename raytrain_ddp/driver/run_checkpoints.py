@@ -22,7 +22,7 @@ from pathlib import Path
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError, headline, plural
+from raytrain_ddp.errors import ConfigError, bounded, headline, plural
 from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, open_for_read, remove_tree
 from raytrain_ddp.worker.checkpoint import (
     CHECKPOINT_FILE,
@@ -87,8 +87,7 @@ def model_mismatch(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[in
     """How a checkpoint's model tensors (`saved`, name -> shape) differ from the model's (`wanted`), or None."""
 
     def named(names: list[str], say) -> str:
-        more = f" and {len(names) - MISMATCHES_NAMED} more" if len(names) > MISMATCHES_NAMED else ""
-        return ", ".join(say(name) for name in names[:MISMATCHES_NAMED]) + more
+        return bounded(map(say, names), MISMATCHES_NAMED)
 
     differ = [name for name in wanted if name in saved and saved[name] != wanted[name]]
     missing = [name for name in wanted if name not in saved]
