@@ -249,7 +249,7 @@ def rank_epoch_message(rank: int, **overrides) -> dict:
         "lr": 0.1,
         "train_seconds": 2.0 + rank,
         "data_wait_seconds": 0.01,
-        "step_seconds": 0.1,
+        "micro_batch_seconds": 0.1,
         "val_loss": 0.5,
         "val_accuracy": 0.9,
         "val_rows": 64,

@@ -146,6 +146,6 @@ def test_nonfinite_loss_fails_once_despite_max_failures(ray_address, tmp_path):
     )
     assert result.summary["status"] == "failed" and result.summary["restarts"] == 0, result.summary
     # the error says where: the epoch and the optimizer step of the check that saw it
-    assert "training loss is" in result.summary["error"] and "at epoch 1, by step" in result.summary["error"]
+    assert "training loss is" in result.summary["error"] and "at epoch 1, micro-batch" in result.summary["error"]
     # as the worker raised it: its type, then its message
     assert re.match(r"rank \d: FloatingPointError: training loss is ", result.summary["error"]), result.summary["error"]

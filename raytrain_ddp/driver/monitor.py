@@ -94,7 +94,7 @@ class RunMonitor:
         self,
         rank: int,
         epoch: int,
-        steps: int,
+        micro_batches: int,
         samples: int,
         loss: float,
         phase: str,
@@ -107,7 +107,7 @@ class RunMonitor:
         `phase_done`: the progress inside the phase (see `Heartbeat.advance`). Stamped with this node's
         monotonic clock, which the driver (on the same node) reads for the watchdog's deadline.
         """
-        where = {"epoch": epoch, "steps": steps, "samples": samples, "loss": loss, "phase": phase}
+        where = {"epoch": epoch, "micro_batches": micro_batches, "samples": samples, "loss": loss, "phase": phase}
         self._events.append(("progress", rank, {**where, "phase_done": phase_done, "time": time.monotonic()}))
         self._add_steps(rank, step_records)
         return self._stop_reason
@@ -183,7 +183,7 @@ class RunRecorder:
         return self.verdict is not None and self.verdict.cluster_gone
 
     @property
-    def steps_per_epoch(self) -> int:
+    def micro_batches_per_epoch(self) -> int:
         """Micro-batches per rank per epoch, at the current world size."""
         return self.config.batches_for(self.train_rows // self.world_size)
 
@@ -204,14 +204,14 @@ class RunRecorder:
             else:
                 self._take(kind, rank, payload)
         if self.liveness.positions:
-            self.console.show_progress(self.liveness.positions, self.steps_per_epoch)
+            self.console.show_progress(self.liveness.positions, self.micro_batches_per_epoch)
 
     def _take_node_news(self, message: dict) -> None:
         """A node aggregator's message: each rank's beat (its time on the driver's clock), then the news its
         ranks handed over, in their order."""
         self.liveness.node_heard(message)
-        for rank, (epoch, steps, samples, loss, phase, phase_done, age_s) in message["beats"].items():
-            where = {"epoch": epoch, "steps": steps, "samples": samples, "loss": loss, "phase": phase}
+        for rank, (epoch, micro_batches, samples, loss, phase, phase_done, age_s) in message["beats"].items():
+            where = {"epoch": epoch, "micro_batches": micro_batches, "samples": samples, "loss": loss, "phase": phase}
             self._take("progress", rank, {**where, "phase_done": phase_done, "time": message["time"] - age_s})
         for kind, rank, payload in message["events"]:
             self._take(kind, rank, payload)
@@ -242,7 +242,7 @@ class RunRecorder:
                 log.info("[rank %d] %s", rank, line)
 
     def progress_line(self) -> str | None:
-        return self.console.progress_line(self.liveness.positions, self.steps_per_epoch)
+        return self.console.progress_line(self.liveness.positions, self.micro_batches_per_epoch)
 
     def _new_attempt(self, world_size: int) -> None:
         """Ray Train started a worker group (the first, or a restart): follow its world size."""

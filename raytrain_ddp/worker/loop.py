@@ -59,7 +59,7 @@ from raytrain_ddp.worker.metrics import (
 )
 from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 from raytrain_ddp.worker.profile import StepProfile
-from raytrain_ddp.worker.schedule import make_scheduler, resume_schedule, steps_per_epoch
+from raytrain_ddp.worker.schedule import make_scheduler, optimizer_steps_per_epoch, resume_schedule
 
 log = logging.getLogger("raytrain_ddp.worker")
 
@@ -159,7 +159,7 @@ class RankTrainer:
         self.flops_per_sample = training_flops_per_sample(model, padding_batch(spec, "cpu")["x"]) if counted else None
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
         self.optimizer = make_optimizer(config, self.model, self.world_size)  # after FSDP: it steps the local shards
-        self.epoch_steps = steps_per_epoch(spec.train_rows // self.world_size, config)
+        self.epoch_steps = optimizer_steps_per_epoch(spec.train_rows // self.world_size, config)
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
         self.scaler = strategy.grad_scaler(config, device)
         self.loss_fn = make_loss_fn(config, plugins.get("loss_fn"))
@@ -493,7 +493,7 @@ class WorkerLoop:
             "lr": trainer.lr,
             "train_seconds": run.train_seconds,
             "data_wait_seconds": meter.data_wait_s,
-            "step_seconds": run.compute_seconds / max(micro_batches, 1),
+            "micro_batch_seconds": run.compute_seconds / max(micro_batches, 1),
             **val_metrics,
         }
         # gloo completes a future when its all-reduce has; NCCL's may complete at enqueue: no wait measured there

@@ -382,11 +382,11 @@ def sync_buffers(model: nn.Module) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def check_finite(loss: float, rank: int, epoch: int, step: int) -> None:
+def check_finite(loss: float, rank: int, epoch: int, micro_batch: int) -> None:
     """Stop on a NaN or infinite loss, saying where: retraining on from there is wasted work."""
     if not math.isfinite(loss):
         raise FloatingPointError(
-            f"training loss is {loss} on rank {rank} at epoch {epoch}, by step {step}; "
+            f"training loss is {loss} on rank {rank} at epoch {epoch}, micro-batch {micro_batch}; "
             "the latest checkpoint holds the last good weights"
         )
 
