@@ -262,9 +262,9 @@ def test_the_launcher_stops_the_trainer_ahead_of_the_time_limit_and_scancel_clea
     """Slurm 22.05 (the testbed's) sets no SLURM_JOB_END_TIME: the launcher reads the job's end time from
     squeue and, RAYTRAIN_STOP_BEFORE_END_S before it, forwards to the running trainer the USR1 that Slurm's own
     warning (here 5 s before the 3-minute limit) would send too late; scancel then stops every Ray process of
-    the job on both nodes. The stop is due 20 s into the job, about when the trainer starts: the launcher
-    forwards it at its first check of the time limit with the trainer running, whichever comes last (no
-    wait beyond it; Slurm's own USR1 still comes only at 175 s)."""
+    the job on both nodes. The stop is due 20 s into the job, about when the trainer starts: the launcher checks
+    the time limit while the trainer runs, so a trainer that starts later gets it at once (Slurm's own USR1
+    still comes only at 175 s)."""
     wd = testbed.workdir("end-time")
     sbatch_args = [*(arg for arg in TWO_NODES if not arg.startswith("--time")), "--time=3", "--signal=B:USR1@5"]
     env = {"RAYTRAIN_MODULE": "ray_probe", "RAYTRAIN_STOP_BEFORE_END_S": "160"}
@@ -313,7 +313,7 @@ def test_preemption_while_ray_starts_checkpoints_requeues_and_the_requeued_job_r
     which is kept and sent to the trainer once it handles it -> checkpoint at its first step -> exit 75 ->
     requeue -> the preempting job runs -> the same job id runs again in the same run directory, resumes from
     that checkpoint and finishes the requested epochs."""
-    epochs = 3
+    epochs = 2
     wd = testbed.workdir("preempt")
     log_path = wd / "job.out"
     run_args = ["--epochs", str(epochs), "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"]
