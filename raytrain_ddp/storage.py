@@ -143,7 +143,8 @@ class RemotePath:
         retried(self.name, self, put)
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        self.fs.create_dir(self.path, recursive=True)  # object storage has no directories: nothing is made
+        """Object storage has no directories: nothing is made, but pyarrow asks the store (retried, as a write)."""
+        retried(self.name, self, lambda: self.fs.create_dir(self.path, recursive=True))
 
     def rmdir(self) -> None:
         """Like os.rmdir: only an empty directory goes."""
