@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import torch
-from support import run_cli
+from support import one_failure_line, run_cli
 from worker_hooks import command_hooks
 
 from raytrain_ddp import _ray_compat
@@ -326,15 +326,12 @@ def store_gone(ray_address, s3_server, store_proxy):
 @pytest.mark.ray
 def test_a_store_gone_mid_run_ends_it_once_in_one_line_with_exit_code_74(store_gone):
     first, _, _, _ = store_gone
-    output = first.stderr
-    assert first.returncode == EXIT_STORAGE_FULL, output[-3000:]
-    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
-    assert len(said) == 1, output[-3000:]
+    output, said = first.stderr, one_failure_line(first, EXIT_STORAGE_FULL)
     assert re.fullmatch(
         rf"Training failed: storage failed: the object store failed \(.+\) writing {CHECKPOINT_UPLOAD} to "
         r"s3://raytrain/store-faults/gone; bring the store back \(or fix its access\) and run the same command "
         r"again to resume",
-        said[0],
+        said,
     ), said
     assert "Traceback" not in output and "restarted the workers" not in output, output[-3000:]
     # summary.json cannot reach the store: it is the one JSON line on stderr
