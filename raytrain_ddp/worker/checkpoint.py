@@ -302,7 +302,7 @@ def report_uploaded(metrics: dict, directory: Path, rank: int, run_dir: RunPath)
     _ray_compat.report_checkpoint(
         metrics,
         Checkpoint.from_directory(str(directory)),
-        f"rank {rank}'s shards of {directory.name}",
+        f"the shards of {directory.name}",  # the console's warning names the rank
         run_dir,
         checkpoint_dir_name=directory.name,
         delete_local_checkpoint_after_upload=True,
