@@ -37,6 +37,16 @@ def run_python_file(
     )
 
 
+def one_failure_line(result: subprocess.CompletedProcess, exit_code: int) -> str:
+    """The run's one `Training failed: ` line, once its exit code is `exit_code` (else the test fails, with the
+    output's end to read)."""
+    output = result.stderr
+    assert result.returncode == exit_code, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
+    assert len(said) == 1, output[-3000:]
+    return said[0]
+
+
 LANE_ENV = "RAYTRAIN_TEST_LANE"  # the xdist worker that started a process (conftest.pytest_configure)
 
 
