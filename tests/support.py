@@ -241,7 +241,6 @@ TESTBED_LANE_FILES = {
 # that ends first takes them (conftest's scheduler) instead of waiting idle for the other
 EITHER_LANE_FILES = {
     "test_bench.py",  # its own Ray per side of each figure, for its figures only
-    "test_storage_retry.py",  # an S3 server behind a proxy, no Ray
 }
 
 
