@@ -199,6 +199,34 @@ def test_usr1_reaches_every_rank_which_stops_at_its_check_and_the_same_command_r
     assert _summary(tmp_path / "session")["final_metrics"]["step"] == 40
 
 
+def test_ctrl_c_reaches_every_ranks_script_as_sigint_and_the_launcher_waits_for_it_to_save(ray_address, tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) reaches every rank's script as
+    SIGINT, as torchrun passes it on: each catches KeyboardInterrupt and saves before the launcher ends, with
+    exit 130, its one line and summary.json."""
+    script = SCRIPTS / "saves_on_ctrl_c.py"
+    run = subprocess.Popen(
+        _launch_command(ray_address, tmp_path, "ctrl-c", str(script)),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell's job
+    )
+    try:
+        _wait_for_line(tmp_path / "ctrl-c" / "steps.jsonl", '"step": 2,')
+        os.killpg(run.pid, signal.SIGINT)
+        output = run.communicate(timeout=300)[0]
+    finally:
+        run.kill()
+    assert run.returncode == 130, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted (Ctrl-C): every rank of {script} is stopped"), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert _summary(tmp_path / "ctrl-c")["status"] == "interrupted"
+    saved = sorted(path.name for path in tmp_path.glob("interrupted-rank-*"))
+    assert saved == ["interrupted-rank-0", "interrupted-rank-1"], output[-3000:]
+
+
 # ------------------------------------------------------------------ a training function
 def test_a_training_function_runs_in_the_process_group_with_the_session(ray_address, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "examples"))

@@ -182,6 +182,7 @@ class Supervisor:
         self.logs.upload()
         if isinstance(self.run_dir, RemotePath):  # the store holds what rank zero saved
             shutil.rmtree(self.checkpoint.parent, ignore_errors=True)
+        self.monitor.worker_ended.remote(self.rank)  # a Ctrl-C's grace waits no longer for this rank
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -194,8 +195,9 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def _stop_signal(reason: str) -> signal.Signals:
-    """The signal the driver got (its reason names it), passed on as torchrun passes signals to its workers."""
-    return signal.SIGUSR1 if reason.startswith("SIGUSR1") else signal.SIGTERM
+    """The signal the driver got (its reason starts with its name: SIGUSR1, SIGTERM, SIGINT for a Ctrl-C), passed
+    on as torchrun passes signals to its workers."""
+    return getattr(signal.Signals, reason.split(" ", 1)[0], signal.SIGTERM)
 
 
 def _master_address() -> tuple[str, int]:
@@ -245,7 +247,11 @@ def run_script_per_worker(loop_config: dict) -> None:
     log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", script, *args]
-    child = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # a session of its own, as torchrun starts its workers: a terminal's Ctrl-C reaches it once, passed on by the
+    # driver (which then gives it a grace period), not also straight from the terminal
+    child = subprocess.Popen(
+        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     supervisor.cpu_of = lambda: _cpu_ticks(child.pid)
     supervisor.announce(stack_pid=child.pid)
     teed = loop_config["tee"] == "all" or supervisor.rank == 0

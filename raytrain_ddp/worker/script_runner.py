@@ -67,8 +67,17 @@ class _NoteProcessGroup(importlib.abc.MetaPathFinder):
         return noted
 
 
+def _take_ctrl_c() -> None:
+    """SIGINT as `python SCRIPT` in a shell has it: Ray's processes block it (their children inherit the mask),
+    and the driver passes a Ctrl-C on as SIGINT, which the script may catch as KeyboardInterrupt to save."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main() -> None:
     _end_with_parent()
+    _take_ctrl_c()
     script, *args = sys.argv[1:]
     channel = os.environ.get(SESSION_ENV)
     if channel:
