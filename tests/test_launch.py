@@ -273,7 +273,8 @@ def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resu
 ):
     """`--storage-path s3://...`: checkpoint_dir() is a local folder uploaded to the store; stopped by USR1 (exit
     75) and run again from a fresh working directory, the script resumes from the store's snapshot and ends with
-    the loss of an uninterrupted run (on local storage: that one equals torchrun's, see the tests above)."""
+    the loss of an uninterrupted run (on local storage: that one equals torchrun's, see the tests above); what
+    it restored from the store and left unchanged is not uploaded again."""
     import pyarrow.fs as pafs
 
     epochs = ("--epochs", "12")
@@ -303,9 +304,14 @@ def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resu
     with fs.open_input_stream(f"{run}/summary.json") as stream:
         done = json.loads(stream.read())["final_metrics"]["step"]
     assert done < 12, done
+    # a file of the checkpoint folder the resumed script never changes: restored, it is not uploaded again
+    with fs.open_output_stream(f"{run}/checkpoint/kept.txt") as stream:
+        stream.write(b"written once\n")
+    kept_at = fs.get_file_info(f"{run}/checkpoint/kept.txt").mtime
 
     again = subprocess.run(command, cwd=second, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert fs.get_file_info(f"{run}/checkpoint/kept.txt").mtime == kept_at
     assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr
     with fs.open_input_stream(f"{run}/steps.jsonl") as stream:
         last = json.loads(stream.read().decode().splitlines()[-1])

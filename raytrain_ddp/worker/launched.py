@@ -38,7 +38,7 @@ from ray import cloudpickle
 from raytrain_ddp import session
 from raytrain_ddp.errors import ScriptFailed, ScriptKilled
 from raytrain_ddp.plugins import add_import_roots
-from raytrain_ddp.storage import RemotePath, Spool, copy_tree, location
+from raytrain_ddp.storage import RemotePath, Spool, copy_tree, file_states, location
 from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
 from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
 
@@ -79,6 +79,9 @@ class Channel:
     def request_stop(self) -> None:
         (self.path / session.STOP_FILE).touch()
 
+    def note_restored(self, files: dict[str, tuple[int, int]]) -> None:
+        (self.path / session.RESTORED_FILE).write_text(json.dumps(files))
+
     def joined_process_group(self) -> bool:
         return (self.path / PROCESS_GROUP_MARK).exists()
 
@@ -94,8 +97,8 @@ class Supervisor:
         self.local_world_size = context.get_local_world_size()
         self.monitor, self.run_dir = loop_config["monitor"], location(loop_config["run_dir"])
         self.logs = Spool(self.run_dir / "logs", fetch=(rank_log("", self.rank).name,))
-        self.checkpoint = self._local_checkpoint()
         self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
+        self.checkpoint = self._local_checkpoint()
         self.busy_beats = 0  # beats in which the rank printed, reported or computed: its liveness
         self.output: list[str] = []  # teed lines not yet sent to the driver
         self.output_lock = threading.Lock()
@@ -129,6 +132,7 @@ class Supervisor:
         local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-")) / "checkpoint"
         if stored.is_dir() and stored.iterdir():
             copy_tree(stored, local)
+            self.channel.note_restored(file_states(local))  # in the store already: not uploaded again
         return local
 
     def session_env(self) -> dict[str, str]:
