@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -36,11 +37,11 @@ import ray.train.collective
 from ray import cloudpickle
 
 from raytrain_ddp import session
-from raytrain_ddp.errors import ScriptFailed, ScriptKilled
+from raytrain_ddp.errors import ScriptFailed, ScriptKilled, StorageFull
 from raytrain_ddp.plugins import add_import_roots
 from raytrain_ddp.storage import RemotePath, Spool, copy_tree, file_states, location
 from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
-from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
+from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK, STORAGE_FULL_NOTE
 
 log = logging.getLogger("raytrain_ddp.worker")
 
@@ -84,6 +85,11 @@ class Channel:
 
     def joined_process_group(self) -> bool:
         return (self.path / PROCESS_GROUP_MARK).exists()
+
+    def storage_full(self) -> StorageFull | None:
+        """The full disk or quota the script died of, as its runner noted it."""
+        note = self.path / STORAGE_FULL_NOTE
+        return pickle.loads(note.read_bytes()) if note.exists() else None
 
 
 class Supervisor:
@@ -215,17 +221,8 @@ def _master_address() -> tuple[str, int]:
     return tuple(ray.train.collective.broadcast_from_rank_zero(chosen))
 
 
-def run_script_per_worker(loop_config: dict) -> None:
-    """Ray Train's training function for a script: run it on this rank, return when it exits well."""
-    script, args = loop_config["script"], loop_config["script_args"]
-    master_addr, master_port = _master_address()
-    child: subprocess.Popen | None = None
-
-    def pass_stop(reason: str) -> None:
-        if child is not None and child.poll() is None:
-            child.send_signal(_stop_signal(reason))
-
-    supervisor = Supervisor(loop_config, pass_stop)
+def _script_env(loop_config: dict, supervisor: Supervisor, master_addr: str, master_port: int) -> dict[str, str]:
+    """The script's environment: the caller's, torchrun's variables, the session's."""
     torchrun_env = {
         "RANK": supervisor.rank,
         "LOCAL_RANK": supervisor.local_rank,
@@ -247,6 +244,21 @@ def run_script_per_worker(loop_config: dict) -> None:
         if key in os.environ and (key == "CUDA_VISIBLE_DEVICES" or key not in env):
             env[key] = os.environ[key]
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log as they are printed
+    return env
+
+
+def run_script_per_worker(loop_config: dict) -> None:
+    """Ray Train's training function for a script: run it on this rank, return when it exits well."""
+    script, args = loop_config["script"], loop_config["script_args"]
+    master_addr, master_port = _master_address()
+    child: subprocess.Popen | None = None
+
+    def pass_stop(reason: str) -> None:
+        if child is not None and child.poll() is None:
+            child.send_signal(_stop_signal(reason))
+
+    supervisor = Supervisor(loop_config, pass_stop)
+    env = _script_env(loop_config, supervisor, master_addr, master_port)
     cwd = loop_config["cwd"] if os.path.isdir(loop_config["cwd"]) else os.path.dirname(script)
     log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,6 +278,8 @@ def run_script_per_worker(loop_config: dict) -> None:
         return
     if returncode < 0:
         raise ScriptKilled(f"killed by {signal.Signals(-returncode).name} ({log_path})", exited_at)
+    if returncode > 0 and (full := supervisor.channel.storage_full()) is not None:
+        raise full  # not a rank's failure: the run ends at once in the storage line, exit 74, no restart
     if returncode > 0:
         error = _exception_of(tail) or "the script failed"
         raise ScriptFailed(f"{error} (exit code {returncode}; {log_path})", exited_at)
