@@ -211,6 +211,8 @@ def test_ctrl_c_reaches_every_ranks_script_as_sigint_and_the_launcher_waits_for_
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its own process group, as a shell's job
+        # Ctrl-C as a shell's foreground job has it (a suite started in the background inherits it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         _wait_for_line(tmp_path / "ctrl-c" / "steps.jsonl", '"step": 2,')
