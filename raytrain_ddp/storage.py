@@ -308,15 +308,20 @@ class Spool:
         shutil.rmtree(self.local, ignore_errors=True)
 
 
-def upload_changed(local: Path, target: RunPath, uploaded: dict[str, tuple[int, int]]) -> None:
-    """Mirror the files under `local` into `target` (object storage): each new or changed file one PUT, whole or
-    not at all; files gone locally are deleted there. `uploaded`: (size, mtime) by relative name as last
-    uploaded, updated in place, so an unchanged file is not sent again."""
-    now = {
+def file_states(local: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime in ns) of each file under `local`, by relative name: what tells a changed file."""
+    return {
         str(file.relative_to(local)): (stat.st_size, stat.st_mtime_ns)
         for file in sorted(local.rglob("*"))
         if file.is_file() and (stat := file.stat())
     }
+
+
+def upload_changed(local: Path, target: RunPath, uploaded: dict[str, tuple[int, int]]) -> None:
+    """Mirror the files under `local` into `target` (object storage): each new or changed file one PUT, whole or
+    not at all; files gone locally are deleted there. `uploaded`: (size, mtime) by relative name as last
+    uploaded, updated in place, so an unchanged file is not sent again."""
+    now = file_states(local)
     for name, seen in now.items():
         if uploaded.get(name) != seen:
             (target / name).write_bytes((local / name).read_bytes())

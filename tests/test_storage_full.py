@@ -129,6 +129,32 @@ def test_the_same_command_resumes_and_finishes_once_there_is_room(filled_run):
     assert files["epochs_after"] == [1, 2] and files["summary_after"]["status"] == "finished", files
 
 
+# ------------------------------------------------------------------ a launched script's own checkpoint
+@pytest.mark.ray
+def test_a_launched_script_that_fills_its_checkpoint_disk_ends_the_run_as_a_full_disk_does(ray_address, tmp_path):
+    """A script's torch.save into session.checkpoint_dir() on a full disk (a 1 MiB tmpfs mounted there): not a rank
+    failure to restart (--max-restarts 2) but the storage line naming the folder and its free space, exit 74."""
+    script = Path(__file__).parent / "scripts" / "fills_its_checkpoint_disk.py"
+    with small_disk(tmp_path / "full" / "checkpoint", "1m") as disk:
+        result = run_cli(
+            "raytrain_ddp.launch",
+            *("--address", ray_address, "--storage-path", str(tmp_path), "--name", "full", "--num-workers", "2"),
+            *("--max-restarts", "2", str(script)),
+        )
+        summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    output = result.stderr
+    assert result.returncode == EXIT_STORAGE_FULL, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
+    assert said == [output.strip().splitlines()[-1]], output[-3000:]
+    assert re.fullmatch(
+        rf"Training failed: storage full: no space left on device writing rank 0's files to {disk}\S* "
+        r"\([^()]+ free of 1 MiB\); free space and run the same command again to resume",
+        said[0],
+    ), said
+    assert summary["restarts"] == 0 and summary["storage_full"]["total_bytes"] == 2**20, summary
+    assert "restarted the workers" not in output, output[-3000:]
+
+
 # ------------------------------------------------------------------ the driver's own files
 def test_the_driver_keeps_the_records_a_full_disk_refused_and_writes_them_when_there_is_room(tmp_path, caplog, capsys):
     """metrics.jsonl and TensorBoard's events on a full disk: one warning, however many records it refuses, no

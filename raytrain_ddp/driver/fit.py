@@ -33,7 +33,7 @@ from raytrain_ddp.driver.console import finished_text
 from raytrain_ddp.driver.failures import RetryRuleTorchTrainer, describe_failure, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
-from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
+from raytrain_ddp.driver.signals import INTERRUPT_REASON, StopSignal, interrupts_deferred, stop_on_signals
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.wandb_log import WandbLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
@@ -395,6 +395,7 @@ class BuiltinWork:
 
     launched = False
     config_fields = None  # config.toml: every setting
+    interrupt_grace_s = 0  # a Ctrl-C ends the ranks at once: their last checkpoint is where a resume starts
 
     def __init__(self, model_fn=None, dataset_fn=None, loss_fn=None, task=None, hooks=None) -> None:
         self.model_fn, self.dataset_fn, self.loss_fn, self.task = model_fn, dataset_fn, loss_fn, task
@@ -623,6 +624,7 @@ def _run_ray_train(
             outcome.error = recorder.verdict.reason
         else:
             outcome.interrupted = True
+            _let_ranks_exit(work, observers)
             with interrupts_deferred():
                 _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
@@ -637,6 +639,29 @@ def _run_ray_train(
     finally:
         outcome.stop_reason = _stop_observers(observers, stop_signal, lock)
     return outcome
+
+
+def _let_ranks_exit(work, observers: _Observers) -> None:
+    """After a Ctrl-C, a launched script's ranks get SIGINT, as torchrun passes it on, and up to
+    `work.interrupt_grace_s` to exit (to save, say); a second Ctrl-C ends the wait. The built-in loop's ranks
+    (grace 0) are ended at once: their last checkpoint is their resume point."""
+    grace = work.interrupt_grace_s
+    if not grace:
+        return
+    log.warning(
+        "Interrupted: SIGINT passed on to every rank's script, which has %ds to exit; Ctrl-C again to end it now",
+        grace,
+    )
+    deadline = time.monotonic() + grace
+    try:
+        observers.monitor.request_stop.remote(INTERRUPT_REASON)
+        while ray.get(observers.monitor.ranks_running.remote()):
+            if time.monotonic() > deadline:
+                log.warning("Not every rank's script exited within %ds of the Ctrl-C: ending them", grace)
+                return
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        log.warning("Interrupted again: ending every rank's script now")
 
 
 def _stop_observers(observers: _Observers, stop_signal: StopSignal, lock: run_lock.RunLock) -> str | None:

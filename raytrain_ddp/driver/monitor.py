@@ -63,6 +63,7 @@ class RunMonitor:
         self._events: list[tuple] = []
         self._stop_reason: str | None = None
         self._aggregators: dict[str, ray.actor.ActorHandle] = {}  # node id -> its ranks' NodeAggregator
+        self._running: set[int] = set()  # ranks of the current attempt still at work (started, not ended)
 
     def aggregator_for(self, node_id: str, hostname: str) -> ray.actor.ActorHandle:
         """The node's aggregator, started (pinned to the node) when its first rank asks. Owned by this actor:
@@ -88,7 +89,17 @@ class RunMonitor:
         return self._stop_reason
 
     def worker_started(self, rank: int, info: dict) -> None:
+        self._running.add(rank)
         self._events.append(("started", rank, info))
+
+    def worker_ended(self, rank: int) -> None:
+        """A launched rank's script (or function) returned, and its output and reports are in."""
+        self._running.discard(rank)
+
+    def ranks_running(self) -> int:
+        """Launched ranks started and not yet ended: what a Ctrl-C waits for (driver.fit; the built-in loop's
+        ranks never say they ended, and a Ctrl-C does not wait for them)."""
+        return len(self._running)
 
     def progress(
         self,
