@@ -27,7 +27,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.config import TrainConfig, is_import_path
-from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
+from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets
+from raytrain_ddp.data.spec import DataPlan, DataSpec, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock, tracker
 from raytrain_ddp.driver.console import finished_text
 from raytrain_ddp.driver.failures import RetryRuleTorchTrainer, describe_failure, storage_full_in

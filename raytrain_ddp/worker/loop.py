@@ -32,7 +32,8 @@ from ray import cloudpickle
 from torch import nn
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
+from raytrain_ddp.data.pipeline import rank_inputs
+from raytrain_ddp.data.spec import DataSpec
 from raytrain_ddp.errors import plural, storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
@@ -319,8 +320,7 @@ class WorkerLoop:
         # the run directory only when profiling: on object storage, opening it would cost a lookup on each worker
         run_dir = config.run_dir if config.profile_window else None
         self.profile = StepProfile(config.profile_window, run_dir, self.rank, device)
-        self.train_shard = ray.train.get_dataset_shard("train")
-        self.val_shard = ray.train.get_dataset_shard("val")
+        self.train_input, self.val_input = rank_inputs()
         self.position = ckpt.Position()
         self.last_checkpoint_at = time.monotonic()  # for --checkpoint-every-minutes
 
@@ -328,7 +328,7 @@ class WorkerLoop:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
             with ckpt.loaded(resume_from) as state:
-                self.position = self.trainer.restore(state, isinstance(self.train_shard, TrainShard))
+                self.position = self.trainer.restore(state, self.train_input.resizable)
             log.info("rank %d resumes from %s %s", self.rank, resume_from.path, self.position.resumes())
         log.info("training on %s from epoch %d", self.device, self.position.epoch + 1)
         return self.position
@@ -344,7 +344,7 @@ class WorkerLoop:
         done = self.position.step_in_epoch if resumed else 0
         earlier_parts = self.position.earlier_parts if resumed else ()
         run.optimizer_steps = done
-        shard_batches = host_batches(self.train_shard, config, epoch, earlier_parts)
+        shard_batches = self.train_input.host_batches(config, epoch, earlier_parts)
         batches = itertools.islice(shard_batches, done * config.grad_accum, None)
         fed = fed_batches(batches, self.feed, meter, self.hooks, self.rank)
         for micro_batch, (batch, is_last) in enumerate(fed, start=done * config.grad_accum + 1):
@@ -452,7 +452,7 @@ class WorkerLoop:
         # (buffer broadcast), and ranks may hold different numbers of val batches.
         # FSDP: the sharded model, every rank in lockstep (its forward all-gathers).
         fsdp, lockstep = config.strategy == "fsdp", None
-        batches, most = val_batches(self.val_shard, config.batch_size)
+        batches, most = self.val_input.batches(config.batch_size)
         if fsdp:
             if most is None:  # a plug-in's split: counted once read, held on the host (never on the device)
                 batches = list(batches)
