@@ -44,10 +44,11 @@ log = logging.getLogger(__name__)
 RETRY_BUDGET_ENV = "RAYTRAIN_STORAGE_RETRY_S"
 RETRY_BUDGET_S = 60.0
 RETRY_FIRST_WAIT_S, RETRY_LONGEST_WAIT_S = 0.5, 8.0
-# pyarrow's S3 errors carry the AWS error name and the HTTP status in their text (they have no errno)
+# pyarrow's S3 errors carry the AWS error name and the HTTP status in their text (they have no errno); an answer
+# without a body (a HEAD's) names no error, only its status: `AWS Error UNKNOWN (HTTP status 503)`
 _TRANSIENT = re.compile(
-    r"response code: 5\d\d|SLOW_?DOWN|THROTTL|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|NETWORK_CONNECTION|curlCode"
-    r"|timed? ?out|connection (refused|reset)|broken pipe",
+    r"(response code:|HTTP status) (5\d\d|429)|SLOW_?DOWN|THROTTL|SERVICE_UNAVAILABLE|INTERNAL_FAILURE"
+    r"|NETWORK_CONNECTION|curlCode|timed? ?out|connection (refused|reset)|broken pipe",
     re.IGNORECASE,
 )
 
@@ -142,7 +143,8 @@ class RemotePath:
         retried(self.name, self, put)
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        self.fs.create_dir(self.path, recursive=True)  # object storage has no directories: nothing is made
+        """Object storage has no directories: nothing is made, but pyarrow asks the store (retried, as a write)."""
+        retried(self.name, self, lambda: self.fs.create_dir(self.path, recursive=True))
 
     def rmdir(self) -> None:
         """Like os.rmdir: only an empty directory goes."""
@@ -287,6 +289,8 @@ class Spool:
                 (self.local / name).write_bytes((target / name).read_bytes())
 
     def upload(self) -> None:
+        """Into the target (retried as every write is); a store that refuses them past the budget leaves them
+        here, said in one warning naming where (a log's upload never ends a run)."""
         if isinstance(self.target, Path):
             return
         target = self.target
@@ -296,7 +300,11 @@ class Spool:
                 str(self.local), target.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs
             )
 
-        retried(f"the files of {target.name}", target, copy)
+        try:
+            retried(f"the files of {target.name}", target, copy)
+        except StorageFull as full:
+            log.warning("%s not uploaded (%s); its files stay in %s", target, full.reason, self.local)
+            return
         shutil.rmtree(self.local, ignore_errors=True)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import rank_epoch_message, run_cli
+from support import one_failure_line, rank_epoch_message, run_cli
 from worker_hooks import command_hooks
 
 from raytrain_ddp import TrainConfig, _ray_compat
@@ -89,14 +89,11 @@ def filled_run(ray_address, tmp_path_factory):
 @pytest.mark.ray
 def test_the_run_ends_at_once_in_one_line_with_exit_code_74(filled_run):
     first, files, _ = filled_run
-    output = first.stderr
-    assert first.returncode == EXIT_STORAGE_FULL, output[-3000:]
-    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
-    assert len(said) == 1, output[-3000:]
+    output, said = first.stderr, one_failure_line(first, EXIT_STORAGE_FULL)
     assert re.fullmatch(
         r"Training failed: storage full: no space left on device writing the checkpoint of epoch 2 at step 4 to "
         r"\S+/small/full \([^()]+ free of 16 MiB\); free space and run the same command again to resume",
-        said[0],
+        said,
     ), said
     assert "Traceback" not in output and "Error while reading worker news" not in output, output[-3000:]
     assert "restarted the workers" not in output and files["summary"]["restarts"] == 0, files["summary"]

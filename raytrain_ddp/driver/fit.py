@@ -43,7 +43,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object, make_task
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
-from raytrain_ddp.storage import RemotePath, RunPath, Spool, stored, uri_of
+from raytrain_ddp.storage import RETRY_BUDGET_ENV, RemotePath, RunPath, Spool, stored, uri_of
 from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.args import UserCode, WorkerArgs
 from raytrain_ddp.worker.checkpoint import entry_point
@@ -135,7 +135,7 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         options = dict(
             logging_level=quiet,
             log_to_driver=config.verbose,
-            runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}},
+            runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots), **_storage_retry_budget()}},
             job_config=ray.job_config.JobConfig(metadata={"job_name": config.name}),
         )  # Jobs page
         if address:
@@ -152,6 +152,12 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         url = _ray_compat.dashboard_url()  # already connected (a notebook, a test session)
     ray.data.DataContext.get_current().enable_progress_bars = config.verbose
     return f"http://{url}" if url and not url.startswith("http") else url
+
+
+def _storage_retry_budget() -> dict:
+    """The object-store retry budget the driver was given, for the workers too (their checkpoint uploads)."""
+    budget = os.environ.get(RETRY_BUDGET_ENV)
+    return {RETRY_BUDGET_ENV: budget} if budget else {}
 
 
 def _pythonpath(import_roots: Sequence[str]) -> dict:

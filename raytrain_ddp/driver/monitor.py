@@ -124,6 +124,10 @@ class RunMonitor:
         """A launched script's output lines, for the console (every line is in its rank's log already)."""
         self._events.append(("output", rank, lines))
 
+    def warning(self, rank: int, line: str) -> None:
+        """A rank's warning for the console (an object-store write it retries): Ray's worker output is off it."""
+        self._events.append(("warning", rank, line))
+
     def _add_steps(self, rank: int, step_records: list[dict]) -> None:
         if step_records:
             self._events.append(("steps", rank, step_records))
@@ -240,6 +244,8 @@ class RunRecorder:
         elif kind == "output":
             for line in payload:
                 log.info("[rank %d] %s", rank, line)
+        elif kind == "warning":
+            log.warning("rank %d: %s", rank, payload)
 
     def progress_line(self) -> str | None:
         return self.console.progress_line(self.liveness.positions, self.micro_batches_per_epoch)

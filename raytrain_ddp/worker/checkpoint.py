@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 
+from raytrain_ddp import _ray_compat
 from raytrain_ddp.errors import ConfigError, plural, storage_full_as
 from raytrain_ddp.redact import redact_values
 from raytrain_ddp.storage import RemotePath, RunPath, local_copy, location
@@ -293,13 +294,16 @@ class _Pending:
     what: str  # the checkpoint, as a message names it
 
 
-def report_uploaded(metrics: dict, directory: Path, rank: int) -> None:
+def report_uploaded(metrics: dict, directory: Path, rank: int, run_dir: RunPath) -> None:
     """Ray Train's report of the checkpoint this rank staged in `directory` (a local one of its own) for a run
     directory on object storage: every rank's files are uploaded into one checkpoint directory of that name
-    there (Ray Train merges them), then deleted here. Every rank calls it: it is a barrier."""
-    ray.train.report(
+    there (Ray Train merges them; a store that fails is retried, then StorageFull), then deleted here. Every
+    rank calls it: it is a barrier."""
+    _ray_compat.report_checkpoint(
         metrics,
-        checkpoint=Checkpoint.from_directory(str(directory)),
+        Checkpoint.from_directory(str(directory)),
+        f"the shards of {directory.name}",  # the console's warning names the rank
+        run_dir,
         checkpoint_dir_name=directory.name,
         delete_local_checkpoint_after_upload=True,
     )
@@ -330,7 +334,8 @@ class ShardedSaver:
         if isinstance(run_dir, Path):
             self.write_dir, default_report = run_dir, report_written
         else:
-            self.write_dir, default_report = Path(tempfile.mkdtemp(prefix="raytrain-shards-")), report_uploaded
+            self.write_dir = Path(tempfile.mkdtemp(prefix="raytrain-shards-"))
+            default_report = functools.partial(report_uploaded, run_dir=run_dir)
             weakref.finalize(self, shutil.rmtree, self.write_dir, True)  # this rank's own staging directory
         self.report = report or functools.partial(default_report, rank=rank)
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrain_ddp import _ray_compat, storage
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import rank_inputs
 from raytrain_ddp.data.spec import DataSpec
@@ -48,6 +49,7 @@ from raytrain_ddp.worker.metrics import (
     EpochMeter,
     Heartbeat,
     StepClock,
+    WarningsToDriver,
     all_ranks_agree,
     batch_rows,
     check_finite,
@@ -91,6 +93,13 @@ def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -
     with storage_full_as(f"the sample ids of epoch {epoch}", directory):
         directory.mkdir(parents=True, exist_ok=True)
         write_atomic(directory / f"epoch-{epoch}-rank-{rank}.npy", array.getvalue())
+
+
+def _storage_warnings_to(monitor, rank: int) -> None:
+    """This rank's object-store retries (its checkpoint uploads) said on the driver's console, once each."""
+    storage_log = logging.getLogger(storage.__name__)
+    storage_log.handlers[:] = [WarningsToDriver(monitor, rank)]  # one, however often a group restarts here
+    storage_log.setLevel(logging.INFO)
 
 
 def _label_worker_logs(rank: int) -> None:
@@ -273,7 +282,7 @@ class RankTrainer:
                     )
                 stage(CHECKPOINT_STAGES.index("reporting"))
                 with storage_full_as(what, self.config.run_dir):  # Ray Train copies it into the run directory
-                    ray.train.report(metrics, checkpoint=checkpoint)
+                    _ray_compat.report_checkpoint(metrics, checkpoint, what, self.config.run_dir)
         else:
             stage(CHECKPOINT_STAGES.index("reporting"))
             ray.train.report(metrics, checkpoint=None)
@@ -308,6 +317,7 @@ class WorkerLoop:
             },
         )
         _label_worker_logs(self.rank)
+        _storage_warnings_to(self.monitor, self.rank)
         self.link = DriverLink(self.monitor, self.rank)
         self.heartbeat = Heartbeat(self.link.post, self.rank)
         if config.compile:
