@@ -17,7 +17,7 @@ import sys
 import torch
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
+from raytrain_ddp.data.spec import DataSpec, read_split_rows, to_model_inputs
 from raytrain_ddp.driver.run_checkpoints import read_verified
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plural
 from raytrain_ddp.models import build_model
