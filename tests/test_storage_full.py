@@ -183,13 +183,13 @@ def test_a_sharded_checkpoint_on_a_full_disk_raises_storage_full_naming_it(tmp_p
     rank's flush raises StorageFull naming the checkpoint, and nothing is reported to Ray Train."""
     from support import one_process_group
 
+    from raytrain_ddp.checkpoint.saver import ShardedSaver
     from raytrain_ddp.errors import StorageFull
-    from raytrain_ddp.worker import checkpoint as ckpt
 
     model = torch.nn.Linear(512, 512)  # 1 MiB of weights
     reported: list = []
     with small_disk(tmp_path / "small", "1m") as disk, one_process_group():
-        saver = ckpt.ShardedSaver(disk, 0, report=lambda metrics, where: reported.append(where))
+        saver = ShardedSaver(disk, 0, report=lambda metrics, where: reported.append(where))
         fill(disk, BYTES_LEFT)
         plain = {"epoch": 1, "step_in_epoch": 3, "global_step": 11}
         saver.save(model.state_dict(), {}, plain, {"epoch": 1})

@@ -31,13 +31,14 @@ import torch.distributed as dist
 from ray import cloudpickle
 from torch import nn
 
+from raytrain_ddp.checkpoint import saver as ckpt
+from raytrain_ddp.checkpoint.state import Position, described, plain_state, position_of
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
 from raytrain_ddp.errors import plural, storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import add_import_roots, load_object, make_loss, make_task
-from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
 from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
@@ -169,7 +170,7 @@ class RankTrainer:
         sharded = config.checkpoint_format == "sharded"
         self.sharded_saver = ckpt.ShardedSaver(config.run_dir, dist.get_rank()) if sharded else None
 
-    def restore(self, state: dict, resizable: bool) -> ckpt.Position:
+    def restore(self, state: dict, resizable: bool) -> Position:
         """Load a checkpoint; where it was taken mid-epoch at another world size, the epoch goes on with the
         rows not yet trained when `resizable` (the pipeline's own shards), else it starts over."""
         if "shards" in state:  # a sharded checkpoint, from any world size
@@ -179,7 +180,7 @@ class RankTrainer:
             strategy.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        position = ckpt.position_of(state)
+        position = position_of(state)
         saved_world_size = state.get("world_size", self.world_size)
         if saved_world_size == self.world_size:
             return position
@@ -241,7 +242,7 @@ class RankTrainer:
         return not skipped
 
     def checkpoint(
-        self, position: ckpt.Position, metrics: dict, run_info: dict, rank: int, stage: Callable[[int], None]
+        self, position: Position, metrics: dict, run_info: dict, rank: int, stage: Callable[[int], None]
     ) -> None:
         """Full format: every rank gathers (FSDP shards meet on rank zero); rank zero writes; every rank
         reports. Sharded: every rank stages its own shards and writes them in the background
@@ -257,13 +258,13 @@ class RankTrainer:
         if self.sharded_saver is not None:
             model_state, optimizer_state = strategy.sharded_state(self.model, self.optimizer)
             stage(CHECKPOINT_STAGES.index("saving"))
-            plain = ckpt.plain_state(training_state, position, metrics, run_info)
+            plain = plain_state(training_state, position, metrics, run_info)
             self.sharded_saver.save(model_state, optimizer_state, plain, metrics)
             return
         model_state, optimizer_state = strategy.full_state(self.model, self.optimizer)
         stage(CHECKPOINT_STAGES.index("saving"))
         if rank == 0:
-            what = ckpt.described(position)
+            what = described(position)
             with ckpt.scratch_dir() as directory:
                 with storage_full_as(what, directory):
                     checkpoint = ckpt.save(
@@ -321,10 +322,10 @@ class WorkerLoop:
         self.profile = StepProfile(config.profile_window, run_dir, self.rank, device)
         self.train_shard = ray.train.get_dataset_shard("train")
         self.val_shard = ray.train.get_dataset_shard("val")
-        self.position = ckpt.Position()
+        self.position = Position()
         self.last_checkpoint_at = time.monotonic()  # for --checkpoint-every-minutes
 
-    def resume(self) -> ckpt.Position:
+    def resume(self) -> Position:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
             with ckpt.loaded(resume_from) as state:
@@ -434,7 +435,7 @@ class WorkerLoop:
         It has no validation score: ranked below every epoch's, it never evicts a best checkpoint and is
         kept only while it is the latest."""
         self.heartbeat.at("checkpointing", epoch, run.meter)
-        at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step, self.position.earlier_parts)
+        at = Position(epoch - 1, run.optimizer_steps, self.position.global_step, self.position.earlier_parts)
         if self.rank == 0 and "interval" in why:
             log.info("checkpoint at epoch %d, optimizer step %d", epoch, run.optimizer_steps)
         metric, mode = self.config.checkpoint_ranking(self.spec.kind)
@@ -514,7 +515,7 @@ class WorkerLoop:
         """Rank zero alone writes the checkpoint; every rank reports, so Ray Train sees the whole group finish
         the epoch and keeps the best one."""
         self.heartbeat.at("checkpointing", epoch, run.meter)
-        self.position = ckpt.Position(epoch, 0, self.position.global_step)
+        self.position = Position(epoch, 0, self.position.global_step)
         self.trainer.checkpoint(
             self.position, {"epoch": epoch, **val_metrics}, self.run_info, self.rank, self.heartbeat.advance
         )
@@ -524,7 +525,7 @@ class WorkerLoop:
         ray.get(self.monitor.worker_finished.remote(self.rank, parameter_checksum(strategy.unwrap(self.trainer.model))))
 
 
-def train_epochs(worker: WorkerLoop, position: ckpt.Position) -> bool:
+def train_epochs(worker: WorkerLoop, position: Position) -> bool:
     """The epochs left; False when the run stopped early (with its checkpoint)."""
     for epoch in range(position.epoch + 1, worker.config.epochs + 1):  # epochs count from 1
         run = worker.train_epoch(epoch)

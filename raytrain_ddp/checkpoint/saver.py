@@ -1,0 +1,217 @@
+"""Checkpoints, in one of two formats (``--checkpoint-format``), one directory per Ray Train checkpoint.
+
+**full** (DDP's default): rank zero gathers and writes one ``checkpoint.pt``.
+**sharded** (FSDP's default): ``shards/`` holds a ``torch.distributed.checkpoint`` (DCP) checkpoint of the
+model and optimizer, every rank writing its own shards in parallel (``__RANK_0.distcp``; ``.metadata``,
+written last, indexes them), and ``training_state.pt``, written by rank zero, everything else. It loads at
+any world size (DCP reshards on load); :func:`consolidate` turns it into the full format.
+
+``checkpoint.pt`` holds only tensors and plain Python values, so it loads with
+``torch.load(path, weights_only=True)``:
+
+* ``model``, ``optimizer``: full (unsharded) state dicts, keyed by parameter
+  name, for DDP and FSDP alike: a plain model loads ``model`` directly;
+* ``scheduler``, ``scaler``: learning-rate schedule and fp16 loss-scale state;
+  ``world_size``: how many ranks trained it (elastic runs change it);
+* ``epoch``: epochs completed (counting from 1); ``step_in_epoch``: optimizer
+  steps already taken in the next epoch when the run was stopped mid-epoch
+  (0 at an epoch boundary); ``global_step``: optimizer steps so far;
+  ``earlier_parts``: [world size, optimizer steps] of that epoch's parts trained
+  at other world sizes before a resize (empty but after one; absent in old files);
+* ``rng``: torch's random state (the same on every rank: all were seeded alike);
+* ``metrics``, ``config``, ``data_spec``: what it scored and what produced it.
+
+``training_state.pt`` holds the same keys but ``model`` and ``optimizer`` (which are ``shards/``'s
+``model`` and ``optimizer``, keyed alike), and ``format: "sharded"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint, CheckpointUploadMode
+
+from raytrain_ddp.checkpoint.layout import (
+    CHECKPOINT_FILE,
+    SHARDS_DIR,
+    TRAINING_STATE_FILE,
+    dcp,
+    is_sharded,
+    load_file,
+    new_checkpoint_name,
+    save_atomic,
+)
+from raytrain_ddp.checkpoint.state import Position, described, plain_state, position_of
+from raytrain_ddp.errors import storage_full_as
+from raytrain_ddp.storage import RunPath, location
+
+
+def save(
+    directory: str,
+    model_state: dict,
+    optimizer_state: dict,
+    training_state: dict,
+    position: Position,
+    metrics: dict,
+    run_info: dict,
+) -> Checkpoint:
+    """Write the state to `directory` (write, then rename) and wrap it as a Ray Train checkpoint.
+
+    `training_state` holds the scheduler and scaler state and the world size; `run_info` the
+    plain-data facts needed to use the checkpoint alone: config and data spec.
+    """
+    state = {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        **plain_state(training_state, position, metrics, run_info),
+    }
+    save_atomic(state, Path(directory) / CHECKPOINT_FILE)
+    return Checkpoint.from_directory(directory)
+
+
+@contextlib.contextmanager
+def loaded(checkpoint: Checkpoint) -> Iterator[dict]:
+    """The state in a Ray Train checkpoint, read on this worker, for the `with` block. A sharded one's model and
+    optimizer stay in its shards: ``state["shards"]`` says where (in the run directory, or a copy Ray Train
+    downloads for the block, shared by the node's ranks, when that is on object storage)."""
+    with checkpoint.as_directory() as directory:
+        state = load_file(directory)
+        if is_sharded(directory):
+            state["shards"] = os.path.join(directory, SHARDS_DIR)
+        torch.set_rng_state(state["rng"]["torch"])
+        yield state
+
+
+def scratch_dir() -> tempfile.TemporaryDirectory:
+    """Where rank zero stages a checkpoint before Ray Train persists it."""
+    return tempfile.TemporaryDirectory(prefix="raytrain-ckpt-")
+
+
+def report_written(metrics: dict, directory: Path, rank: int) -> None:
+    """Ray Train's report of a checkpoint every rank wrote into `directory`, in the run directory: rank zero
+    names it (one checkpoint), nothing is copied (NO_UPLOAD). Every rank calls it: it is a barrier."""
+    ray.train.report(
+        metrics,
+        checkpoint=Checkpoint.from_directory(str(directory)) if rank == 0 else None,
+        checkpoint_dir_name=directory.name,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+    )
+
+
+@dataclass
+class _Pending:
+    future: Future
+    directory: Path
+    metrics: dict
+    what: str  # the checkpoint, as a message names it
+
+
+def report_uploaded(metrics: dict, directory: Path, rank: int) -> None:
+    """Ray Train's report of the checkpoint this rank staged in `directory` (a local one of its own) for a run
+    directory on object storage: every rank's files are uploaded into one checkpoint directory of that name
+    there (Ray Train merges them), then deleted here. Every rank calls it: it is a barrier."""
+    ray.train.report(
+        metrics,
+        checkpoint=Checkpoint.from_directory(str(directory)),
+        checkpoint_dir_name=directory.name,
+        delete_local_checkpoint_after_upload=True,
+    )
+
+
+class ShardedSaver:
+    """Sharded checkpoints written in the background, straight into the run directory.
+
+    ``save`` stages this rank's shards in host memory (the one pause training takes), starts
+    ``dcp.async_save`` into RUN_DIR/checkpoint_DATE/shards/ and returns. The checkpoint is reported to Ray
+    Train (one checkpoint: rank zero reports the directory every rank wrote into, with NO_UPLOAD, as it
+    already lies in the run directory) once every rank's write is done: :meth:`flush`, called by the
+    training loop at the first stop check that finds every rank's :meth:`done_here`, else before the next
+    save or when the run ends. Until then Ray Train does not know it: a crash resumes from the one before.
+    A run directory on object storage cannot be written into by DCP: each rank writes into a local
+    directory of its own, and its report uploads it (:func:`report_uploaded`), which the flush waits for.
+    DCP's collectives run on their own gloo group (in the writing thread; the next one waits for it), so
+    they never interleave with training's collectives, and async_save gets the CPU group it needs on GPUs.
+    """
+
+    FLUSH_POLL_S = 0.5  # while a flush waits, how often the bytes written are told to `progress`
+
+    def __init__(self, run_dir: str | RunPath, rank: int, report: Callable[[dict, Path], None] | None = None) -> None:
+        """`report(metrics, directory)`: how a written checkpoint is counted (default: :func:`report_written`,
+        or :func:`report_uploaded` for a run directory on object storage)."""
+        run_dir = location(run_dir)
+        self.rank = rank
+        if isinstance(run_dir, Path):
+            self.write_dir, default_report = run_dir, report_written
+        else:
+            self.write_dir, default_report = Path(tempfile.mkdtemp(prefix="raytrain-shards-")), report_uploaded
+            weakref.finalize(self, shutil.rmtree, self.write_dir, True)  # this rank's own staging directory
+        self.report = report or functools.partial(default_report, rank=rank)
+        self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
+        self.pending: _Pending | None = None
+        # told the bytes the shards hold while a flush waits: the watchdog sees a long write move, a stalled one not
+        self.progress: Callable[[int], None] | None = None
+
+    def save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict) -> None:
+        self.flush()  # one save in flight at a time
+        what = described(position_of(plain))
+        with storage_full_as(what, self.write_dir, probe=True):  # DCP's writer loses the errno
+            self._start_save(model_state, optimizer_state, plain, metrics, what)
+
+    def _start_save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict, what: str) -> None:
+        names: list[str | None] = [None]
+        if self.rank == 0:  # made before the others learn its name: their DCP writers create it too
+            names = [new_checkpoint_name()]
+            (self.write_dir / names[0]).mkdir()  # a new name: an existing directory is never written into
+        dist.broadcast_object_list(names, src=0, group=self.group)
+        directory = self.write_dir / names[0]
+        if self.rank == 0:
+            save_atomic({**plain, "format": "sharded"}, directory / TRAINING_STATE_FILE)
+        future = dcp().async_save(
+            {"model": model_state, "optimizer": optimizer_state},
+            checkpoint_id=str(directory / SHARDS_DIR),
+            process_group=self.group,
+        )
+        self.pending = _Pending(future, directory, metrics, what)
+
+    def done_here(self) -> bool:
+        """This rank's write has finished (or nothing is pending)."""
+        return self.pending is None or self.pending.future.done()
+
+    def flush(self) -> None:
+        """Wait for the pending save, then report it (every rank: a Ray Train report is a barrier)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        with storage_full_as(pending.what, self.write_dir, probe=True):
+            while True:
+                try:
+                    pending.future.result(timeout=self.FLUSH_POLL_S)
+                    break
+                except TimeoutError:
+                    if self.progress is not None:
+                        self.progress(_bytes_under(pending.directory / SHARDS_DIR))
+            self.report(pending.metrics, pending.directory)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+
+def _bytes_under(directory: Path) -> int:
+    """What the files directly in `directory` hold (0 before it exists)."""
+    try:
+        return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
+    except FileNotFoundError:
+        return 0
