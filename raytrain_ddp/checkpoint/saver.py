@@ -32,6 +32,7 @@ import functools
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -54,8 +55,8 @@ from raytrain_ddp.checkpoint.layout import (
     save_atomic,
 )
 from raytrain_ddp.checkpoint.state import Position, described, plain_state, position_of
-from raytrain_ddp.errors import storage_full_as
-from raytrain_ddp.storage import RunPath, location
+from raytrain_ddp.errors import StorageFull, storage_full_as
+from raytrain_ddp.storage import RunPath, location, retry_budget_s
 
 
 def save(
@@ -195,14 +196,27 @@ class ShardedSaver:
             return
         pending, self.pending = self.pending, None
         with storage_full_as(pending.what, self.write_dir, probe=True):
-            while True:
-                try:
-                    pending.future.result(timeout=self.FLUSH_POLL_S)
-                    break
-                except TimeoutError:
-                    if self.progress is not None:
-                        self.progress(_bytes_under(pending.directory / SHARDS_DIR))
+            self._wait(pending)
             self.report(pending.metrics, pending.directory)
+
+    def _wait(self, pending: _Pending) -> None:
+        """Until this rank's write is done. A write that adds no byte for the storage retry budget (a hung mount, a
+        store that stopped answering) cannot be told from one that will never finish: StorageFull (the run ends,
+        exit 74) rather than a wait for ever. A slow write that keeps adding bytes is waited for."""
+        budget = retry_budget_s()
+        written, moved_at = -1, time.monotonic()
+        while True:
+            try:
+                pending.future.result(timeout=self.FLUSH_POLL_S)
+                return
+            except TimeoutError:
+                now_written = _bytes_under(pending.directory / SHARDS_DIR)
+                if self.progress is not None:
+                    self.progress(now_written)
+                if now_written != written:
+                    written, moved_at = now_written, time.monotonic()
+                elif time.monotonic() - moved_at >= budget:
+                    raise StorageFull.stalled(pending.what, pending.directory, budget) from None
 
     @property
     def in_flight(self) -> bool:
