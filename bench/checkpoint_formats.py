@@ -56,7 +56,8 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
 
     train(1)
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss: KiB)
-    plain = plain_state({"world_size": 2}, Position(), {}, {"config": {}})
+    training_state, run_info = {"scheduler": {}, "scaler": {}, "world_size": 2}, {"config": {}, "data_spec": {}}
+    plain = plain_state(training_state, Position(), {}, run_info)
     blocked = []
     for _ in range(args["saves"]):
         dist.barrier()
@@ -70,7 +71,7 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
             if rank == 0:
                 directory = run_dir / new_checkpoint_name()
                 directory.mkdir()
-                save(str(directory), model_state, optimizer_state, {}, Position(), {}, {"config": {}})
+                save(str(directory), model_state, optimizer_state, training_state, Position(), {}, run_info)
             del model_state, optimizer_state
         blocked.append(time.perf_counter() - started)
         train(args["steps"])

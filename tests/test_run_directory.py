@@ -343,7 +343,7 @@ def test_a_checkpoint_holds_no_credentials(tmp_path):
 
     config = _config(tmp_path, mlflow_uri=SECRET_URI, data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")
     run_info = {"config": config.to_dict(), "data_spec": {"kind": "images"}}
-    save(str(tmp_path), {}, {}, {"world_size": 1}, Position(1, 0, 4), {}, run_info)
+    save(str(tmp_path), {}, {}, {"scheduler": {}, "scaler": {}, "world_size": 1}, Position(1, 0, 4), {}, run_info)
     written = (tmp_path / CHECKPOINT_FILE).read_bytes()
     assert b"s3cr3t" not in written and b"t0k3n" not in written and b"wJalrXUtnFEMI" not in written
     state = load_file(tmp_path)

@@ -4,29 +4,16 @@
 **sharded** (FSDP's default): ``shards/`` holds a ``torch.distributed.checkpoint`` (DCP) checkpoint of the
 model and optimizer, every rank writing its own shards in parallel (``__RANK_0.distcp``; ``.metadata``,
 written last, indexes them), and ``training_state.pt``, written by rank zero, everything else. It loads at
-any world size (DCP reshards on load); :func:`consolidate` turns it into the full format.
+any world size (DCP reshards on load); consolidate.py turns it into the full format.
 
-``checkpoint.pt`` holds only tensors and plain Python values, so it loads with
-``torch.load(path, weights_only=True)``:
-
-* ``model``, ``optimizer``: full (unsharded) state dicts, keyed by parameter
-  name, for DDP and FSDP alike: a plain model loads ``model`` directly;
-* ``scheduler``, ``scaler``: learning-rate schedule and fp16 loss-scale state;
-  ``world_size``: how many ranks trained it (elastic runs change it);
-* ``epoch``: epochs completed (counting from 1); ``step_in_epoch``: optimizer
-  steps already taken in the next epoch when the run was stopped mid-epoch
-  (0 at an epoch boundary); ``global_step``: optimizer steps so far;
-  ``earlier_parts``: [world size, optimizer steps] of that epoch's parts trained
-  at other world sizes before a resize (empty but after one; absent in old files);
-* ``rng``: torch's random state (the same on every rank: all were seeded alike);
-* ``metrics``, ``config``, ``data_spec``: what it scored and what produced it.
-
-``training_state.pt`` holds the same keys but ``model`` and ``optimizer`` (which are ``shards/``'s
-``model`` and ``optimizer``, keyed alike), and ``format: "sharded"``.
+``checkpoint.pt`` and ``training_state.pt`` hold the keys of state.py's :class:`CheckpointState` (a sharded
+one's ``model`` and ``optimizer`` are its ``shards/``'s, keyed alike). Both savers are a :class:`Saver`: the
+training loop calls one the same way whichever the format.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import os
@@ -55,8 +42,83 @@ from raytrain_ddp.checkpoint.layout import (
     save_atomic,
 )
 from raytrain_ddp.checkpoint.state import Position, described, plain_state, position_of
+from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import StorageFull, storage_full_as
 from raytrain_ddp.storage import RunPath, location, retry_budget_s
+from raytrain_ddp.worker import strategy
+
+
+def _nothing() -> None:
+    pass
+
+
+class Saver(abc.ABC):
+    """How every rank writes the run's checkpoints (--checkpoint-format: :class:`FullSaver`, :class:`ShardedSaver`)
+    and loads the one a resume starts from (of either format). The training loop calls each rank's at the same
+    points: :meth:`state_of` (a collective), :meth:`save`; :meth:`flush` and :meth:`done_here` for a save still
+    being written when `save` returned (the sharded one's)."""
+
+    group: dist.ProcessGroup | None = None  # where a sharded load's collectives run (None: training's group)
+    # told the bytes written while a flush waits (the sharded one's): the watchdog sees a long write move
+    progress: Callable[[int], None] | None = None
+
+    @abc.abstractmethod
+    def state_of(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and optimizer's state as this format saves it. Every rank must call it."""
+
+    @abc.abstractmethod
+    def save(
+        self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict, reporting: Callable = _nothing
+    ) -> None:
+        """Save a checkpoint of `state_of`'s state and `plain` (state.plain_state) and report it to Ray Train
+        with `metrics`, now or at a later :meth:`flush`. `reporting()`: told when the report begins."""
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """The model and optimizer state of a checkpoint of either format (`state`, read by :func:`loaded`) into
+        `model` and `optimizer`, on every rank; a sharded one from any world size."""
+        if "shards" in state:
+            strategy.load_sharded_state(model, optimizer, state["shards"], self.group)
+        else:
+            strategy.load_full_state(model, optimizer, state["model"], state["optimizer"])
+
+    def done_here(self) -> bool:
+        """This rank's write has finished (or nothing is pending)."""
+        return True
+
+    def flush(self) -> None:  # noqa: B027  (a full save is reported as it is written: nothing is pending)
+        """Wait for the pending save, then report it."""
+
+    @property
+    def in_flight(self) -> bool:
+        return False
+
+
+class FullSaver(Saver):
+    """Full checkpoints: every rank gathers (FSDP shards meet on rank zero); rank zero writes checkpoint.pt into a
+    scratch directory, which its report has Ray Train copy into the run directory; every rank reports."""
+
+    def __init__(self, config: TrainConfig, rank: int) -> None:
+        """`config`: the run's; its run directory, where Ray Train copies a checkpoint, is read only then (on
+        object storage naming it is a lookup)."""
+        self.config, self.rank = config, rank
+
+    def state_of(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return strategy.full_state(model, optimizer)
+
+    def save(
+        self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict, reporting: Callable = _nothing
+    ) -> None:
+        if self.rank != 0:
+            reporting()
+            ray.train.report(metrics, checkpoint=None)
+            return
+        what = described(position_of(plain))
+        with scratch_dir() as directory:
+            with storage_full_as(what, directory):
+                checkpoint = write_full(directory, model_state, optimizer_state, plain)
+            reporting()
+            with storage_full_as(what, self.config.run_dir):  # Ray Train copies it into the run directory
+                ray.train.report(metrics, checkpoint=checkpoint)
 
 
 def save(
@@ -73,12 +135,12 @@ def save(
     `training_state` holds the scheduler and scaler state and the world size; `run_info` the
     plain-data facts needed to use the checkpoint alone: config and data spec.
     """
-    state = {
-        "model": model_state,
-        "optimizer": optimizer_state,
-        **plain_state(training_state, position, metrics, run_info),
-    }
-    save_atomic(state, Path(directory) / CHECKPOINT_FILE)
+    return write_full(directory, model_state, optimizer_state, plain_state(training_state, position, metrics, run_info))
+
+
+def write_full(directory: str, model_state: dict, optimizer_state: dict, plain: dict) -> Checkpoint:
+    """Write a full checkpoint's checkpoint.pt into `directory` (write, then rename); wrap it as Ray Train's."""
+    save_atomic({"model": model_state, "optimizer": optimizer_state, **plain}, Path(directory) / CHECKPOINT_FILE)
     return Checkpoint.from_directory(directory)
 
 
@@ -131,7 +193,7 @@ def report_uploaded(metrics: dict, directory: Path, rank: int) -> None:
     )
 
 
-class ShardedSaver:
+class ShardedSaver(Saver):
     """Sharded checkpoints written in the background, straight into the run directory.
 
     ``save`` stages this rank's shards in host memory (the one pause training takes), starts
@@ -161,10 +223,13 @@ class ShardedSaver:
         self.report = report or functools.partial(default_report, rank=rank)
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
         self.pending: _Pending | None = None
-        # told the bytes the shards hold while a flush waits: the watchdog sees a long write move, a stalled one not
-        self.progress: Callable[[int], None] | None = None
 
-    def save(self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict) -> None:
+    def state_of(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return strategy.sharded_state(model, optimizer)
+
+    def save(
+        self, model_state: dict, optimizer_state: dict, plain: dict, metrics: dict, reporting: Callable = _nothing
+    ) -> None:
         self.flush()  # one save in flight at a time
         what = described(position_of(plain))
         with storage_full_as(what, self.write_dir, probe=True):  # DCP's writer loses the errno
@@ -187,7 +252,6 @@ class ShardedSaver:
         self.pending = _Pending(future, directory, metrics, what)
 
     def done_here(self) -> bool:
-        """This rank's write has finished (or nothing is pending)."""
         return self.pending is None or self.pending.future.done()
 
     def flush(self) -> None:

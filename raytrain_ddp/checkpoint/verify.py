@@ -11,27 +11,14 @@ import pyarrow.fs as pafs
 import torch
 
 from raytrain_ddp.checkpoint.layout import CHECKPOINT_FILE, SHARDS_DIR, TRAINING_STATE_FILE, dcp, is_sharded, load_file
+from raytrain_ddp.checkpoint.state import required_keys
 from raytrain_ddp.errors import ConfigError, bounded, headline
 from raytrain_ddp.storage import RemotePath, RunPath, location, open_for_read
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-# What a worker reads when it resumes (worker/loop.py: RankTrainer.restore; saver.loaded; state.position_of)
-REQUIRED_KEYS = (
-    "model",
-    "optimizer",
-    "scheduler",
-    "scaler",
-    "epoch",
-    "step_in_epoch",
-    "global_step",
-    "rng",
-    "config",
-    "data_spec",
-)
 MISMATCHES_NAMED = 3  # a model that does not fit a checkpoint: the first few tensors that differ
-SHARDED_KEYS = ("model", "optimizer")  # in a sharded checkpoint's shards/, not in its training_state.pt
 
 
 def read_verified(checkpoint_dir: RunPath) -> tuple[dict | None, str | None]:
@@ -51,7 +38,7 @@ def read_verified(checkpoint_dir: RunPath) -> tuple[dict | None, str | None]:
         return None, f"it does not load ({headline(err)})"
     if not isinstance(state, dict):
         return None, f"it holds a {type(state).__name__}, not a checkpoint"
-    missing = [key for key in REQUIRED_KEYS if key not in state and not (sharded and key in SHARDED_KEYS)]
+    missing = [key for key in required_keys(sharded) if key not in state]
     return (None, f"keys missing: {', '.join(missing)}") if missing else (state, None)
 
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import ray
 import ray.data
 from ray import cloudpickle
-from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train import FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
-from raytrain_ddp.checkpoint import registry
+from raytrain_ddp.checkpoint import ranking, registry
 from raytrain_ddp.checkpoint.layout import entry_point
 from raytrain_ddp.checkpoint.state import describe as describe_checkpoint
 from raytrain_ddp.checkpoint.verify import check_fits_model
@@ -271,7 +271,6 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
     # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
-    metric, mode = config.checkpoint_ranking(work.data_kind)  # mid-epoch checkpoints score the worst (worker/loop.py)
     train_loop, loop_config, datasets, dataset_config = work.trainer_parts(config, monitor)
     return RetryRuleTorchTrainer(
         train_loop,
@@ -282,9 +281,7 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
         run_config=RunConfig(
             name=config.name,
             storage_path=config.storage_path,
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=config.num_to_keep, checkpoint_score_attribute=metric, checkpoint_score_order=mode
-            ),
+            checkpoint_config=ranking.retention(config, work.data_kind),
             failure_config=FailureConfig(max_failures=config.max_failures, controller_failure_limit=placement_tries),
         ),
         torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
@@ -815,11 +812,9 @@ def _summary(
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
     metric, mode = config.checkpoint_ranking(work.data_kind)
-    # a checkpoint taken mid-epoch (a stop request, --checkpoint-every-*) has no validation score: +-inf
     pairs = result.best_checkpoints if result is not None else []
-    scored = [pair for pair in pairs if math.isfinite(pair[1].get(metric, math.inf))]
-    if scored:
-        checkpoint, best_metrics = (max if mode == "max" else min)(scored, key=lambda pair: pair[1][metric])
+    if best := ranking.best(pairs, metric, mode):
+        checkpoint, best_metrics = best
         best_checkpoint = _entry_uri(config, checkpoint.path)
     checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:
