@@ -99,7 +99,7 @@ def count_step_syncs(steps: int = SYNC_STEPS) -> dict:
     import torch.distributed as dist
 
     from raytrain_ddp.config import TrainConfig
-    from raytrain_ddp.data.pipeline import synthetic_spec
+    from raytrain_ddp.data.spec import synthetic_spec
     from raytrain_ddp.worker.loop import RankTrainer
 
     with socket.socket() as probe:

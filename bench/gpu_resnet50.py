@@ -44,7 +44,7 @@ def plain(args) -> None:
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
     from raytrain_ddp.config import TrainConfig
-    from raytrain_ddp.data.pipeline import plan_data
+    from raytrain_ddp.data.spec import plan_data
     from raytrain_ddp.models import build_model
     from raytrain_ddp.worker import strategy
 

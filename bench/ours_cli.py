@@ -27,6 +27,7 @@ def probed(loop, probe_out: str):
         import torch
 
         import raytrain_ddp.worker.loop as loop_module
+        from raytrain_ddp.worker.args import WorkerArgs
 
         events: list = []
         rows = [0]  # rows trained since the last optimizer step
@@ -61,7 +62,7 @@ def probed(loop, probe_out: str):
                         {
                             "events": events,
                             "world_size": ray.train.get_context().get_world_size(),
-                            "batch_size": loop_config["config"]["batch_size"],
+                            "batch_size": WorkerArgs.from_loop_config(loop_config).config.batch_size,
                             "torch_threads": torch.get_num_threads(),
                             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                         },

@@ -29,7 +29,8 @@ import time
 import ray
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data
+from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets
+from raytrain_ddp.data.spec import plan_data
 from raytrain_ddp.worker.device_feed import epoch_batches
 
 CONSUMERS = 2

@@ -6,7 +6,7 @@ DataLoader, the project's model (built the same way), SGD(lr 0.02, momentum
 memory (`--data memory`, generated with raytrain_ddp.data.synthetic.image_rows
 and normalised the same way), or the same Parquet files ours reads (`--data
 DIR`), PNG-decoded and augmented in DataLoader workers by the project's own
-transform (raytrain_ddp.data.pipeline.to_model_inputs). Rank 0 writes the
+transform (raytrain_ddp.data.spec.to_model_inputs). Rank 0 writes the
 step events (see bench/common.py) to --out.
 """
 
@@ -28,7 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data import synthetic
-from raytrain_ddp.data.pipeline import DataSpec, plan_data, synthetic_spec, to_model_inputs
+from raytrain_ddp.data.spec import DataSpec, plan_data, synthetic_spec, to_model_inputs
 from raytrain_ddp.models import build_model
 
 

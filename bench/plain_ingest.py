@@ -24,7 +24,7 @@ from plain_ddp import ParquetImages
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import plan_data
+from raytrain_ddp.data.spec import plan_data
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from raytrain_ddp import session
 
 
-def main(epochs: int, step_seconds: float) -> None:
+def main(epochs: int, micro_batch_seconds: float) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(0)
@@ -46,7 +46,7 @@ def main(epochs: int, step_seconds: float) -> None:
             loss.backward()
             optimizer.step()
             total, rows = total + loss.item() * len(targets), rows + len(targets)
-            time.sleep(step_seconds)
+            time.sleep(micro_batch_seconds)
         session.report({"loss": total / rows}, step=epoch + 1)
         if rank == 0:
             torch.save(
@@ -66,4 +66,4 @@ if __name__ == "__main__":
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (a slow step, for tests)")
     args = parser.parse_args()
-    main(args.epochs, args.step_seconds)
+    main(args.epochs, args.micro_batch_seconds)

@@ -186,7 +186,7 @@ def storage_full_as(what: str, path: str | os.PathLike | object, probe: bool = F
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # DCP's CheckpointException is one
-        if (full := full_storage_error(err) or (_refused_now(path) if probe else None)) is None:
+        if (full := full_storage_error(err) or (refused_now(path) if probe else None)) is None:
             raise
         raise StorageFull.of(full, what, path) from err
 
@@ -194,7 +194,7 @@ def storage_full_as(what: str, path: str | os.PathLike | object, probe: bool = F
 PROBE_BYTES = 2**20
 
 
-def _refused_now(path: str | os.PathLike | object) -> OSError | None:
+def refused_now(path: str | os.PathLike | object) -> OSError | None:
     """The full-storage OSError the file system of `path` raises now for a MiB, else None: for writers that lose
     the errno (torch.save into DCP's stream sees a short write and says only `unexpected pos`)."""
     if (where := _existing(path)) is None:

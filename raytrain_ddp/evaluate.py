@@ -21,7 +21,7 @@ from raytrain_ddp.checkpoint.layout import CHECKPOINT_FILE, is_sharded
 from raytrain_ddp.checkpoint.state import resume_point
 from raytrain_ddp.checkpoint.verify import read_verified
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, read_split_rows, to_model_inputs
+from raytrain_ddp.data.spec import DataSpec, read_split_rows, to_model_inputs
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plural
 from raytrain_ddp.models import build_model
 from raytrain_ddp.storage import location

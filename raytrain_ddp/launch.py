@@ -52,9 +52,10 @@ exit codes:
   0    every rank's script exited 0
   1    a rank failed (the line names it, with its error), or never called init_process_group
   2    bad input or a request the cluster cannot hold (nothing was started)
-  74   the run directory's storage is full, over its quota or read-only, or its object store failed (EX_IOERR)
+  74   the run directory's storage (a script's checkpoint folder's too) is full, over its quota or read-only,
+       or its object store failed (EX_IOERR)
   75   stopped on SIGUSR1/SIGTERM (passed on to every rank): run the same command again to resume
-  130  interrupted (Ctrl-C)
+  130  interrupted (Ctrl-C, passed on to every rank's script as SIGINT, with 30 s to exit)
 """
 
 

@@ -14,7 +14,7 @@ from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.plugins import call_plugin, describe, load_object
 
 if TYPE_CHECKING:
-    from raytrain_ddp.data.pipeline import DataSpec
+    from raytrain_ddp.data.spec import DataSpec
 
 MODEL_KINDS = {"mlp": "tabular", "transformer": "tokens"}  # every other built-in model takes images
 

@@ -30,6 +30,7 @@ SESSION_ENV = "RAYTRAIN_DDP_SESSION"
 CHECKPOINT_DIR_ENV = "RAYTRAIN_DDP_CHECKPOINT_DIR"
 CHECKPOINT_STORE_ENV = "RAYTRAIN_DDP_CHECKPOINT_STORE"  # rank zero's, with object storage: the folder's URI
 REPORTS_FILE = "reports.jsonl"
+RESTORED_FILE = "restored.json"  # the checkpoint files restored from the store before the script started
 STOP_FILE = "stop"
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -72,7 +73,17 @@ def upload_checkpoint() -> None:
     if store:
         from raytrain_ddp import storage  # pyarrow: only where there is a store
 
+        _take_restored()
         storage.upload_changed(checkpoint_dir(), storage.location(store), _uploaded)
+
+
+def _take_restored() -> None:
+    """Once: the files the launcher restored from the store count as uploaded (as they are: changed, they go up)."""
+    channel = os.environ.get(SESSION_ENV)
+    restored = Path(channel) / RESTORED_FILE if channel else None
+    if restored is not None and restored.exists():
+        _uploaded.update({name: (size, mtime) for name, (size, mtime) in json.loads(restored.read_text()).items()})
+        restored.unlink()
 
 
 def should_stop() -> bool:

@@ -44,10 +44,11 @@ log = logging.getLogger(__name__)
 RETRY_BUDGET_ENV = "RAYTRAIN_STORAGE_RETRY_S"
 RETRY_BUDGET_S = 60.0
 RETRY_FIRST_WAIT_S, RETRY_LONGEST_WAIT_S = 0.5, 8.0
-# pyarrow's S3 errors carry the AWS error name and the HTTP status in their text (they have no errno)
+# pyarrow's S3 errors carry the AWS error name and the HTTP status in their text (they have no errno); an answer
+# without a body (a HEAD's) names no error, only its status: `AWS Error UNKNOWN (HTTP status 503)`
 _TRANSIENT = re.compile(
-    r"response code: 5\d\d|SLOW_?DOWN|THROTTL|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|NETWORK_CONNECTION|curlCode"
-    r"|timed? ?out|connection (refused|reset)|broken pipe",
+    r"(response code:|HTTP status) (5\d\d|429)|SLOW_?DOWN|THROTTL|SERVICE_UNAVAILABLE|INTERNAL_FAILURE"
+    r"|NETWORK_CONNECTION|curlCode|timed? ?out|connection (refused|reset)|broken pipe",
     re.IGNORECASE,
 )
 
@@ -142,7 +143,8 @@ class RemotePath:
         retried(self.name, self, put)
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        self.fs.create_dir(self.path, recursive=True)  # object storage has no directories: nothing is made
+        """Object storage has no directories: nothing is made, but pyarrow asks the store (retried, as a write)."""
+        retried(self.name, self, lambda: self.fs.create_dir(self.path, recursive=True))
 
     def rmdir(self) -> None:
         """Like os.rmdir: only an empty directory goes."""
@@ -287,6 +289,8 @@ class Spool:
                 (self.local / name).write_bytes((target / name).read_bytes())
 
     def upload(self) -> None:
+        """Into the target (retried as every write is); a store that refuses them past the budget leaves them
+        here, said in one warning naming where (a log's upload never ends a run)."""
         if isinstance(self.target, Path):
             return
         target = self.target
@@ -296,19 +300,28 @@ class Spool:
                 str(self.local), target.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=target.fs
             )
 
-        retried(f"the files of {target.name}", target, copy)
+        try:
+            retried(f"the files of {target.name}", target, copy)
+        except StorageFull as full:
+            log.warning("%s not uploaded (%s); its files stay in %s", target, full.reason, self.local)
+            return
         shutil.rmtree(self.local, ignore_errors=True)
+
+
+def file_states(local: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime in ns) of each file under `local`, by relative name: what tells a changed file."""
+    return {
+        str(file.relative_to(local)): (stat.st_size, stat.st_mtime_ns)
+        for file in sorted(local.rglob("*"))
+        if file.is_file() and (stat := file.stat())
+    }
 
 
 def upload_changed(local: Path, target: RunPath, uploaded: dict[str, tuple[int, int]]) -> None:
     """Mirror the files under `local` into `target` (object storage): each new or changed file one PUT, whole or
     not at all; files gone locally are deleted there. `uploaded`: (size, mtime) by relative name as last
     uploaded, updated in place, so an unchanged file is not sent again."""
-    now = {
-        str(file.relative_to(local)): (stat.st_size, stat.st_mtime_ns)
-        for file in sorted(local.rglob("*"))
-        if file.is_file() and (stat := file.stat())
-    }
+    now = file_states(local)
     for name, seen in now.items():
         if uploaded.get(name) != seen:
             (target / name).write_bytes((local / name).read_bytes())

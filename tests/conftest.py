@@ -35,13 +35,16 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     # A scheduler of our own, not xdist_group marks: `--dist loadgroup` reads them into the node id, which
     # pytest 9.2's node ids no longer take, so every test was its own group (two Slurm tests at once broke
-    # the testbed). Each lane is one scope: one worker runs it whole, in file order.
+    # the testbed). Each lane is one scope: one worker runs it whole, in file order. A file of either lane is a
+    # scope of its own: xdist hands it to the first worker with at most two tests left (scopes with the most
+    # tests go first, so each worker starts on a lane), and the lane that ends first does not wait idle.
     from support import lane_of
     from xdist.scheduler import LoadScopeScheduling
 
     class LaneScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return lane_of(nodeid)
+            lane = lane_of(nodeid)
+            return nodeid.split("::", 1)[0] if lane == "either" else lane
 
     return LaneScheduling(config, log)
 

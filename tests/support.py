@@ -37,6 +37,16 @@ def run_python_file(
     )
 
 
+def one_failure_line(result: subprocess.CompletedProcess, exit_code: int) -> str:
+    """The run's one `Training failed: ` line, once its exit code is `exit_code` (else the test fails, with the
+    output's end to read)."""
+    output = result.stderr
+    assert result.returncode == exit_code, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
+    assert len(said) == 1, output[-3000:]
+    return said[0]
+
+
 LANE_ENV = "RAYTRAIN_TEST_LANE"  # the xdist worker that started a process (conftest.pytest_configure)
 
 
@@ -208,11 +218,9 @@ def one_process_group():
 
 # `make test` runs the suite in two lanes (pytest-xdist, `-n 2`; one process each, tests in file order):
 # the Slurm testbed's jobs, which mostly wait on the testbed's nodes, with the tests that start no Ray of this
-# process and the benchmarks (each starts Rays of its own), beside the tests on this process's local Ray, which
-# run one at a time. The split evens out the lanes' wall time (measured: bench/suite_cpu.py). Each lane sees
-# only its own processes (processes_with).
+# process, beside the tests on this process's local Ray, which run one at a time. The split evens out the lanes'
+# wall time (measured: bench/suite_cpu.py). Each lane sees only its own processes (processes_with).
 TESTBED_LANE_FILES = {
-    "test_bench.py",  # its own Ray per side and round, for its figures only
     "test_checkpoint_sharded.py",
     "test_cli_errors.py",
     "test_cluster_health.py",
@@ -229,10 +237,19 @@ TESTBED_LANE_FILES = {
 }
 
 
+# files for either lane: they need nothing of one (no Ray, or Rays of their own, never $RAY_ADDRESS's); the lane
+# that ends first takes them (conftest's scheduler) instead of waiting idle for the other
+EITHER_LANE_FILES = {
+    "test_bench.py",  # its own Ray per side of each figure, for its figures only
+}
+
+
 def lane_of(nodeid: str) -> str:
-    """The lane of a test: "testbed" or "local-ray" (its file decides)."""
+    """The lane of a test: "testbed", "local-ray" or "either" (its file decides)."""
     path = PurePosixPath(nodeid.split("::", 1)[0])
-    return "testbed" if path.parent.name == "slurm" or path.name in TESTBED_LANE_FILES else "local-ray"
+    if path.parent.name == "slurm" or path.name in TESTBED_LANE_FILES:
+        return "testbed"
+    return "either" if path.name in EITHER_LANE_FILES else "local-ray"
 
 
 def rank_epoch_message(rank: int, **overrides) -> dict:
@@ -249,7 +266,7 @@ def rank_epoch_message(rank: int, **overrides) -> dict:
         "lr": 0.1,
         "train_seconds": 2.0 + rank,
         "data_wait_seconds": 0.01,
-        "step_seconds": 0.1,
+        "micro_batch_seconds": 0.1,
         "val_loss": 0.5,
         "val_accuracy": 0.9,
         "val_rows": 64,

@@ -486,7 +486,7 @@ def test_every_builtin_model_builds_and_runs(model, dataset, output_shape):
     import torch
 
     from raytrain_ddp import TrainConfig
-    from raytrain_ddp.data.pipeline import synthetic_spec
+    from raytrain_ddp.data.spec import synthetic_spec
     from raytrain_ddp.models import build_model
 
     config = TrainConfig(model=model, dataset=dataset)

@@ -73,7 +73,8 @@ def _config(data: Path, seed: int = 0):
 
 def _train_shards(config) -> list:
     """The training shards of 2 ranks, built from scratch as a new driver builds them."""
-    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data
+    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets
+    from raytrain_ddp.data.spec import plan_data
 
     datasets = build_datasets(config, plan_data(config))
     with warnings.catch_warnings():
@@ -258,7 +259,7 @@ def test_epoch_order_does_not_depend_on_what_ran_before(ray_address, tabular_dat
 def test_shuffle_window_depends_on_row_order_not_on_blocks():
     """Every row once, full batches but the last, and the same batches however the stream is cut into blocks
     (Ray Data's block sizes are not part of an epoch's order)."""
-    from raytrain_ddp.data.pipeline import _window_shuffled
+    from raytrain_ddp.data.order import window_shuffled
 
     rows = {"id": np.arange(1000), "x": np.arange(1000, dtype=np.float32)[:, None] * [1, 2], "y": np.arange(1000) % 10}
 
@@ -279,19 +280,21 @@ def test_shuffle_window_depends_on_row_order_not_on_blocks():
 
         return read
 
-    batches = list(_window_shuffled(reader([100, 350, 999]), 64, 256, seed=7))
+    batches = list(window_shuffled(reader([100, 350, 999]), 64, 256, seed=7))
     assert [len(b["id"]) for b in batches] == [64] * 15 + [40]
     ids = np.concatenate([b["id"] for b in batches])
     assert sorted(ids) == list(range(1000)) and not np.array_equal(ids, np.arange(1000))
     assert all(np.array_equal(b["x"][:, 1], 2 * b["id"]) for b in batches)  # rows kept whole
-    again = np.concatenate([b["id"] for b in _window_shuffled(reader([1, 2, 500]), 64, 256, seed=7)])
+    again = np.concatenate([b["id"] for b in window_shuffled(reader([1, 2, 500]), 64, 256, seed=7)])
     assert np.array_equal(ids, again)
 
 
 def test_train_tasks_are_consecutive_pieces_of_about_task_bytes():
     """A stream's pieces (three epochs) go to Ray Data tasks in order, each once; a task stops at the first
     piece that brings it to TASK_BYTES of decoded rows (the last task may hold less)."""
-    from raytrain_ddp.data.pipeline import TASK_BYTES, DataSpec, _group_pieces, _task_rows, epoch_pieces
+    from raytrain_ddp.data.order import epoch_pieces
+    from raytrain_ddp.data.pipeline import TASK_BYTES, _group_pieces, _task_rows
+    from raytrain_ddp.data.spec import DataSpec
 
     images = DataSpec("image", (3, 32, 32), 10, 10_521, 0)  # uint8 pixels + 16 bytes of id and label a row
     task_rows = _task_rows(images)
@@ -310,14 +313,14 @@ def test_a_resized_epoch_goes_on_with_exactly_the_rows_not_yet_trained(in_memory
     """An epoch begun by 4 ranks (5 optimizer steps), continued by 3 (4 steps), finished by 2: over the three
     parts every row of the epoch is trained once, but for the last split's remainder (as any epoch drops fewer
     rows than its world size): earlier splits' remainders are trained later. Each part's ranks read their
-    pieces and shuffle them as host_batches does."""
+    pieces and shuffle them as TrainShard.host_batches does."""
     from raytrain_ddp.config import TrainConfig
-    from raytrain_ddp.data.pipeline import (
+    from raytrain_ddp.data.order import (
         SHUFFLE_BUFFER_ROWS,
-        _window_shuffled,
         epoch_pieces,
         rest_of_epoch_pieces,
         shuffle_seed,
+        window_shuffled,
     )
 
     unit_rows = [100] * 30 + [37, 2]
@@ -340,7 +343,7 @@ def test_a_resized_epoch_goes_on_with_exactly_the_rows_not_yet_trained(in_memory
                 taken, buffer = buffer[:count], buffer[count:]
                 return {"y": taken}
 
-            order = np.concatenate([b["y"] for b in _window_shuffled(read, 16, SHUFFLE_BUFFER_ROWS, seed)])
+            order = np.concatenate([b["y"] for b in window_shuffled(read, 16, SHUFFLE_BUFFER_ROWS, seed)])
         return order if steps is None else order[: steps * config.grad_accum * config.batch_size]
 
     # (world size, optimizer steps); the last part trains to the end. 3039 rows: the first split leaves 3 out
@@ -367,7 +370,7 @@ def test_a_resize_with_another_seed_or_micro_batch_size_starts_the_epoch_over():
     from support import one_process_group
 
     from raytrain_ddp.config import TrainConfig
-    from raytrain_ddp.data.pipeline import synthetic_spec
+    from raytrain_ddp.data.spec import synthetic_spec
     from raytrain_ddp.worker import strategy
     from raytrain_ddp.worker.loop import RankTrainer
 
@@ -446,13 +449,14 @@ def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
     assert abs(scored["val_accuracy"] - summary["best_metrics"]["val_accuracy"]) <= 1 / 60
     # Validation images cross the object store as uint8 too (a quarter of the bytes), normalised where used:
     # the score above matches evaluate's, which normalises on the host
-    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, plan_data, val_batches
+    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets
+    from raytrain_ddp.data.spec import plan_data
 
     datasets = build_datasets(config, plan_data(config))
     shards = ShardingDataConfig().configure(
         {"val": datasets["val"]}, world_size=2, worker_handles=None, worker_node_ids=None
     )
-    batches, most = val_batches(shards[1]["val"], 16)
+    batches, most = shards[1]["val"].batches(16)
     assert next(iter(batches))["x"].dtype == torch.uint8
     assert most == 2  # 30 rows per rank, 16 a batch: what FSDP's lockstep pads to, known before reading
 

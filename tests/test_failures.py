@@ -63,17 +63,18 @@ def test_a_wrapped_cause_counts():
 def test_a_corrupt_row_group_names_the_file_and_the_row_group(tmp_path):
     """Read as a Ray Data task reads it: the error says which row group of which file, the reader's error type
     and first line; it survives pickling (Ray's way between processes) and is not retried."""
-    from raytrain_ddp.data.pipeline import DataSpec, SplitSource, _read_piece
+    from raytrain_ddp.data.sources import RowGroupSource
+    from raytrain_ddp.data.spec import DataSpec
 
     path = tmp_path / "part-0.parquet"
     pq.write_table(pa.table({"x": np.arange(300.0), "y": np.arange(300) % 3}), path, row_group_size=100)
     corrupt_row_group(path, 1)
-    source = SplitSource(
+    source = RowGroupSource(
         DataSpec("tabular", (1,), 3, 300, 0), (100, 100, 100), ((str(path), 0), (str(path), 1)), ("x", "y")
     )
-    assert len(_read_piece(source, 0, 0, 100)["y"]) == 100  # the row group before it reads
+    assert len(source.read(0, 0, 100)["y"]) == 100  # the row group before it reads
     with pytest.raises(DataReadError) as raised:
-        _read_piece(source, 1, 0, 100)
+        source.read(1, 0, 100)
     error = pickle.loads(pickle.dumps(raised.value))
     assert str(error).startswith(f"row group 1 of {path}: OSError: Couldn't deserialize thrift"), str(error)
     assert "\n" not in str(error) and "\x0f" not in str(error)  # its first line, control characters escaped
@@ -146,6 +147,6 @@ def test_nonfinite_loss_fails_once_despite_max_failures(ray_address, tmp_path):
     )
     assert result.summary["status"] == "failed" and result.summary["restarts"] == 0, result.summary
     # the error says where: the epoch and the optimizer step of the check that saw it
-    assert "training loss is" in result.summary["error"] and "at epoch 1, by step" in result.summary["error"]
+    assert "training loss is" in result.summary["error"] and "at epoch 1, micro-batch" in result.summary["error"]
     # as the worker raised it: its type, then its message
     assert re.match(r"rank \d: FloatingPointError: training loss is ", result.summary["error"]), result.summary["error"]

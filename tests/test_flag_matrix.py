@@ -15,7 +15,7 @@ from support import one_process_group, run_cli
 
 from raytrain_ddp import fit
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import synthetic_spec
+from raytrain_ddp.data.spec import synthetic_spec
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.evaluate import evaluate_checkpoint
 from raytrain_ddp.models import build_model

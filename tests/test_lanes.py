@@ -7,14 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import LANE_ENV, TESTBED_LANE_FILES, lane_of, processes_with
+from support import EITHER_LANE_FILES, LANE_ENV, TESTBED_LANE_FILES, lane_of, processes_with
 
 TESTS = Path(__file__).parent
 
 
 def test_every_file_named_for_the_testbed_lane_exists() -> None:
     # a renamed file would silently move to the local Ray's lane and run beside its tests
-    assert sorted(name for name in TESTBED_LANE_FILES if not (TESTS / name).is_file()) == []
+    assert sorted(name for name in TESTBED_LANE_FILES | EITHER_LANE_FILES if not (TESTS / name).is_file()) == []
+    assert not TESTBED_LANE_FILES & EITHER_LANE_FILES
+
+
+def test_no_file_for_either_lane_uses_the_session_ray() -> None:
+    # run by the testbed's lane, it would start a second session Ray beside the local-Ray lane's
+    assert [name for name in sorted(EITHER_LANE_FILES) if "ray_address" in (TESTS / name).read_text()] == []
 
 
 def test_slurm_tests_and_the_named_files_run_in_the_testbed_lane_and_the_rest_beside_it() -> None:
@@ -22,6 +28,7 @@ def test_slurm_tests_and_the_named_files_run_in_the_testbed_lane_and_the_rest_be
     assert lane_of("tests/test_docs.py::test_readme[x::y]") == "testbed"
     assert lane_of("tests/test_train.py::test_python_api_elastic_start_on_uneven_data") == "local-ray"
     assert lane_of("tests/test_ray_compat.py::test_a_tested_ray_is_quiet[2.60.0]") == "local-ray"
+    assert lane_of("tests/test_bench.py::test_smoke_bench_writes_the_three_figures") == "either"
 
 
 def test_processes_the_other_lane_started_are_not_this_lanes() -> None:

@@ -199,6 +199,36 @@ def test_usr1_reaches_every_rank_which_stops_at_its_check_and_the_same_command_r
     assert _summary(tmp_path / "session")["final_metrics"]["step"] == 40
 
 
+def test_ctrl_c_reaches_every_ranks_script_as_sigint_and_the_launcher_waits_for_it_to_save(ray_address, tmp_path):
+    """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) reaches every rank's script as
+    SIGINT, as torchrun passes it on: each catches KeyboardInterrupt and saves before the launcher ends, with
+    exit 130, its one line and summary.json."""
+    script = SCRIPTS / "saves_on_ctrl_c.py"
+    run = subprocess.Popen(
+        _launch_command(ray_address, tmp_path, "ctrl-c", str(script)),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell's job
+        # Ctrl-C as a shell's foreground job has it (a suite started in the background inherits it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        _wait_for_line(tmp_path / "ctrl-c" / "steps.jsonl", '"step": 2,')
+        os.killpg(run.pid, signal.SIGINT)
+        output = run.communicate(timeout=300)[0]
+    finally:
+        run.kill()
+    assert run.returncode == 130, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted (Ctrl-C): every rank of {script} is stopped"), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert _summary(tmp_path / "ctrl-c")["status"] == "interrupted"
+    saved = sorted(path.name for path in tmp_path.glob("interrupted-rank-*"))
+    assert saved == ["interrupted-rank-0", "interrupted-rank-1"], output[-3000:]
+
+
 # ------------------------------------------------------------------ a training function
 def test_a_training_function_runs_in_the_process_group_with_the_session(ray_address, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "examples"))
@@ -245,7 +275,8 @@ def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resu
 ):
     """`--storage-path s3://...`: checkpoint_dir() is a local folder uploaded to the store; stopped by USR1 (exit
     75) and run again from a fresh working directory, the script resumes from the store's snapshot and ends with
-    the loss of an uninterrupted run (on local storage: that one equals torchrun's, see the tests above)."""
+    the loss of an uninterrupted run (on local storage: that one equals torchrun's, see the tests above); what
+    it restored from the store and left unchanged is not uploaded again."""
     import pyarrow.fs as pafs
 
     epochs = ("--epochs", "12")
@@ -275,9 +306,14 @@ def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resu
     with fs.open_input_stream(f"{run}/summary.json") as stream:
         done = json.loads(stream.read())["final_metrics"]["step"]
     assert done < 12, done
+    # a file of the checkpoint folder the resumed script never changes: restored, it is not uploaded again
+    with fs.open_output_stream(f"{run}/checkpoint/kept.txt") as stream:
+        stream.write(b"written once\n")
+    kept_at = fs.get_file_info(f"{run}/checkpoint/kept.txt").mtime
 
     again = subprocess.run(command, cwd=second, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert fs.get_file_info(f"{run}/checkpoint/kept.txt").mtime == kept_at
     assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr
     with fs.open_input_stream(f"{run}/steps.jsonl") as stream:
         last = json.loads(stream.read().decode().splitlines()[-1])

@@ -46,14 +46,14 @@ def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arri
     assert [s["rank"] for s in in_compute["stragglers"]] == [1], in_compute["stragglers"]
     assert "its compute is the bottleneck" in in_compute["stragglers"][0]["why"]
 
-    # driver.log: progress lines with step counts below the epoch's 20 come before the epoch's table row
+    # driver.log: progress lines with micro-batch counts below the epoch's 20 come before the epoch's table row
     log_lines = (result.run_dir / "driver.log").read_text().splitlines()
     row = next(i for i, line in enumerate(log_lines) if re.search(r"INFO raytrain_ddp:\s+1\s", line))
-    progress = [line for line in log_lines[:row] if "raytrain_ddp.progress: epoch 1/2: step" in line]
+    progress = [line for line in log_lines[:row] if "raytrain_ddp.progress: epoch 1/2: micro-batch" in line]
     assert progress, "no progress line during the epoch"
-    steps = [int(re.search(r"step (\d+)/20", line).group(1)) for line in progress]
+    micro_batches = [int(re.search(r"micro-batch (\d+)/20", line).group(1)) for line in progress]
     # an epoch's first line may come within a second of its first heartbeat: no stretch to rate yet, no rate
-    assert min(steps) < 20 and any("samples/s" in line for line in progress), progress
+    assert min(micro_batches) < 20 and any("samples/s" in line for line in progress), progress
     assert not any(" 0 samples/s" in line for line in progress), progress
     assert "rank 1 is a straggler, as in epoch 1: all-reduce wait" in "\n".join(log_lines)
     cut = [line for line in log_lines if "--profile-steps 39:42" in line]

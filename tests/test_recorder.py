@@ -43,7 +43,7 @@ METRICS_FIELDS = [
     "grad_allreduces_per_rank",
     "lr",
     "data_wait_seconds_per_rank",
-    "step_seconds_per_rank",
+    "micro_batch_seconds_per_rank",
     "allreduce_wait_seconds_per_rank",
     "seconds",
     "stragglers",
@@ -147,7 +147,7 @@ def test_the_meter_reads_the_marked_steps_with_the_loss_each_over_its_own_micro_
 
 def _beat(epoch: int, steps: int, phase: str, phase_done: int = 0) -> dict:
     """A heartbeat as the monitor hands it over."""
-    return {"epoch": epoch, "steps": steps, "samples": 0, "loss": 1.0, "phase": phase, "phase_done": phase_done}
+    return {"epoch": epoch, "micro_batches": steps, "samples": 0, "loss": 1.0, "phase": phase, "phase_done": phase_done}
 
 
 def _quiet_for_a_while(liveness: Liveness) -> None:
@@ -178,9 +178,9 @@ def test_a_stall_inside_validation_names_the_rank_behind_and_its_progress():
     workers = {rank: {"hostname": f"node-{rank}"} for rank in range(4)}
     assert liveness.stuck_rank() == 1
     verdict = liveness.describe_stall(workers)
-    assert verdict.startswith("rank 1 on node-1: validating (2 batches done), epoch 2 step 8, unchanged for ")
+    assert verdict.startswith("rank 1 on node-1: validating (2 batches done), epoch 2 micro-batch 8, unchanged for ")
     assert "rank 0 on node-0: validating (5 batches done)" in verdict
-    assert "rank 2 on node-2: checkpointing (saving), epoch 2 step 8" in verdict
+    assert "rank 2 on node-2: checkpointing (saving), epoch 2 micro-batch 8" in verdict
     assert verdict.endswith("rank 3 on node-3: no news since it started")
 
 
@@ -285,7 +285,7 @@ def test_the_heartbeat_posts_validation_progress_and_compilation_as_a_phase(monk
 
 def _training_beat(epoch: int, steps: int, samples: int) -> dict:
     """A training heartbeat as `Liveness.positions` holds it."""
-    return {"epoch": epoch, "steps": steps, "samples": samples, "loss": 0.5, "phase": "training"}
+    return {"epoch": epoch, "micro_batches": steps, "samples": samples, "loss": 0.5, "phase": "training"}
 
 
 def test_the_progress_line_rates_the_epoch_from_its_first_heartbeat_not_from_its_first_logged_line(monkeypatch):
@@ -300,7 +300,7 @@ def test_the_progress_line_rates_the_epoch_from_its_first_heartbeat_not_from_its
     line = console.progress_line(
         {0: _training_beat(2, 36, 1152), 1: _training_beat(2, 36, 1152)}, micro_batches_per_epoch=64
     )
-    assert line.startswith("epoch 2/3: step 36/64, 73 samples/s, epoch ETA 25s"), line
+    assert line.startswith("epoch 2/3: micro-batch 36/64, 73 samples/s, epoch ETA 25s"), line
 
 
 def test_the_progress_line_says_no_rate_before_there_is_a_stretch_to_measure(monkeypatch):
@@ -310,7 +310,7 @@ def test_the_progress_line_says_no_rate_before_there_is_a_stretch_to_measure(mon
     line = console_module.Console(total_epochs=3).progress_line(
         {0: _training_beat(1, 36, 1152)}, micro_batches_per_epoch=64
     )
-    assert line == "epoch 1/3: step 36/64, loss 0.5000", line
+    assert line == "epoch 1/3: micro-batch 36/64, loss 0.5000", line
 
 
 def test_a_straggler_is_warned_of_only_when_the_same_rank_lags_two_epochs_running_by_a_share_that_matters(
@@ -412,7 +412,7 @@ def test_a_large_worlds_stall_names_the_ranks_furthest_behind_and_counts_the_res
         liveness.track(rank, {**_beat(1, 3 if rank == 7 else 4, "training"), "time": 1.0})
     workers = {rank: {"hostname": f"node{rank // 8}"} for rank in range(world)}
     verdict = liveness.describe_stall(workers)
-    assert verdict.startswith("rank 7 on node0: training, epoch 1 step 3")
+    assert verdict.startswith("rank 7 on node0: training, epoch 1 micro-batch 3")
     assert f"; {world - 8 - STALL_RANKS_SHOWN} more ranks as far along or further; rank {world - 8} on " in verdict
     assert verdict.count("no news since it started") == 8 and len(verdict) < 3000
 
@@ -434,7 +434,7 @@ def test_a_nodes_message_brings_its_ranks_beats_and_their_news_in_order_and_the_
     message = news.message()
     assert (message["hostname"], message["slowest"], message["silent"]) == ("h", 1, {})
     recorder.consume([("node", -1, {**message, "time": time.monotonic()})])
-    assert recorder.liveness.stuck_rank() == 1 and recorder.liveness.positions[0]["steps"] == 4
+    assert recorder.liveness.stuck_rank() == 1 and recorder.liveness.positions[0]["micro_batches"] == 4
     steps = [json.loads(line) for line in (config.run_dir / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["train_loss"]) for s in steps] == [(1, 3.0)]
     assert list(recorder.epochs) == [1]  # the epoch messages came after the beats' step records, as sent
@@ -464,8 +464,9 @@ def test_a_rank_that_stopped_beating_and_a_node_whose_aggregator_stopped_posting
         liveness.track(rank, {**_beat(1, 3 if rank == 1 else 4, "training"), "time": now - (20 if rank == 1 else 0)})
     workers = {rank: {"hostname": f"node{rank // 2}"} for rank in range(4)}
     verdict = liveness.describe_stall(workers)
-    assert verdict.startswith("rank 1 on node0: training, epoch 1 step 3, unchanged for 20s, no heartbeat for 20s; ")
-    assert "rank 0 on node0: training, epoch 1 step 4, unchanged for 0s; " in verdict
+    stuck = "rank 1 on node0: training, epoch 1 micro-batch 3, unchanged for 20s, no heartbeat for 20s; "
+    assert verdict.startswith(stuck)
+    assert "rank 0 on node0: training, epoch 1 micro-batch 4, unchanged for 0s; " in verdict
     assert verdict.endswith("; node node1: no message from its aggregator for 30s (its 2 ranks: 2, 3)")
     with caplog.at_level("WARNING", logger="raytrain_ddp"):
         _note_silent_nodes(recorder)

@@ -77,7 +77,7 @@ def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray
     [verdict] = result.summary["hangs"]  # a start a busy machine slowed is no hang (a warning says so)
     # the stuck rank leads, named with where it stopped...
     assert verdict.startswith("no rank made progress for 20s; last seen: rank 1 on ")
-    assert ": validating (2 batches done), epoch 2 step " in verdict
+    assert ": validating (2 batches done), epoch 2 micro-batch " in verdict
     assert "rank 0 on " in verdict  # ...and the others are listed with where they wait
     # the node of the rank it ended, for the Slurm launcher's exclusion
     assert result.summary["stuck_nodes"] == [w["hostname"] for w in result.summary["workers"] if w["rank"] == 1]

@@ -195,7 +195,7 @@ def test_new_per_rank_fields_show_and_missing_ones_are_left_out(tmp_path, traine
         for rec in records:
             rec.pop("data_wait_seconds_per_rank")
             rec.update(
-                step_seconds_per_rank=[0.01, 0.012],
+                micro_batch_seconds_per_rank=[0.01, 0.012],
                 gpu_memory_peak_gib_per_rank=[1.5, 1.25],
                 mystery_per_rank=[7, 8],
                 not_a_list_per_rank="x",
@@ -204,7 +204,7 @@ def test_new_per_rank_fields_show_and_missing_ones_are_left_out(tmp_path, traine
         f.write('{"epoch": 3, "train_lo')  # a line cut short by a crash
     index = write_report(run_dir)
     files = {p.name for p in index.parent.glob("*.png")}
-    assert {"step_seconds_per_rank.png", "gpu_memory_peak_gib_per_rank.png"} <= files
+    assert {"micro_batch_seconds_per_rank.png", "gpu_memory_peak_gib_per_rank.png"} <= files
     assert "data_wait_seconds_per_rank.png" not in files
     page = index.read_text()
     workers = page[page.index('id="workers"') : page.index('id="epochs"')]

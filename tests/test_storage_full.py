@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import rank_epoch_message, run_cli
+from support import one_failure_line, rank_epoch_message, run_cli
 from worker_hooks import command_hooks
 
 from raytrain_ddp import TrainConfig, _ray_compat
@@ -89,14 +89,11 @@ def filled_run(ray_address, tmp_path_factory):
 @pytest.mark.ray
 def test_the_run_ends_at_once_in_one_line_with_exit_code_74(filled_run):
     first, files, _ = filled_run
-    output = first.stderr
-    assert first.returncode == EXIT_STORAGE_FULL, output[-3000:]
-    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
-    assert len(said) == 1, output[-3000:]
+    output, said = first.stderr, one_failure_line(first, EXIT_STORAGE_FULL)
     assert re.fullmatch(
         r"Training failed: storage full: no space left on device writing the checkpoint of epoch 2 at step 4 to "
         r"\S+/small/full \([^()]+ free of 16 MiB\); free space and run the same command again to resume",
-        said[0],
+        said,
     ), said
     assert "Traceback" not in output and "Error while reading worker news" not in output, output[-3000:]
     assert "restarted the workers" not in output and files["summary"]["restarts"] == 0, files["summary"]
@@ -130,6 +127,32 @@ def test_the_same_command_resumes_and_finishes_once_there_is_room(filled_run):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Resuming from checkpoint " in again.stderr, again.stderr[-3000:]
     assert files["epochs_after"] == [1, 2] and files["summary_after"]["status"] == "finished", files
+
+
+# ------------------------------------------------------------------ a launched script's own checkpoint
+@pytest.mark.ray
+def test_a_launched_script_that_fills_its_checkpoint_disk_ends_the_run_as_a_full_disk_does(ray_address, tmp_path):
+    """A script's torch.save into session.checkpoint_dir() on a full disk (a 1 MiB tmpfs mounted there): not a rank
+    failure to restart (--max-restarts 2) but the storage line naming the folder and its free space, exit 74."""
+    script = Path(__file__).parent / "scripts" / "fills_its_checkpoint_disk.py"
+    with small_disk(tmp_path / "full" / "checkpoint", "1m") as disk:
+        result = run_cli(
+            "raytrain_ddp.launch",
+            *("--address", ray_address, "--storage-path", str(tmp_path), "--name", "full", "--num-workers", "2"),
+            *("--max-restarts", "2", str(script)),
+        )
+        summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    output = result.stderr
+    assert result.returncode == EXIT_STORAGE_FULL, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
+    assert said == [output.strip().splitlines()[-1]], output[-3000:]
+    assert re.fullmatch(
+        rf"Training failed: storage full: no space left on device writing rank 0's files to {disk}\S* "
+        r"\([^()]+ free of 1 MiB\); free space and run the same command again to resume",
+        said[0],
+    ), said
+    assert summary["restarts"] == 0 and summary["storage_full"]["total_bytes"] == 2**20, summary
+    assert "restarted the workers" not in output, output[-3000:]
 
 
 # ------------------------------------------------------------------ the driver's own files

@@ -5,18 +5,27 @@ the write as StorageFull (exit 74) naming the path, what was written and the err
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
+import io
+import json
 import logging
+import re
 import threading
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
+import torch
+from support import one_failure_line, run_cli
+from worker_hooks import command_hooks
 
+from raytrain_ddp import _ray_compat
 from raytrain_ddp.errors import EXIT_STORAGE_FULL, StorageFull
 from raytrain_ddp.files import write_atomic
-from raytrain_ddp.storage import RETRY_BUDGET_ENV, location
+from raytrain_ddp.storage import RETRY_BUDGET_ENV, location, open_for_read, transient
 
 SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -28,19 +37,40 @@ SLOW_DOWN = (
 HOP_BY_HOP = {"connection", "keep-alive", "expect", "transfer-encoding", "proxy-connection", "te", "upgrade"}
 
 
+FAULTS = "/raytrain-test-faults/"  # the proxy's own requests: another process (a worker's hook) sets a fault
+
+
 class FaultyProxy(http.server.ThreadingHTTPServer):
-    """Forwards every request to the S3 server, except that the next `failures` requests get 503 SlowDown."""
+    """Forwards every request to the S3 server, except: the next `failures` requests get 503 SlowDown; until
+    `slow_until` (time.monotonic) every request does (a store in trouble for a while); while `down`, every
+    request's connection is closed unanswered (a store that stopped). GET FAULTS + "slow-down/SECONDS" or
+    FAULTS + "down" sets the last two from another process, FAULTS + "up" ends either."""
 
     def __init__(self, upstream: str) -> None:
         super().__init__(("127.0.0.1", 0), _Forward)
         self.upstream, self.failures, self.lock = urlsplit(upstream).netloc, 0, threading.Lock()
+        self.slow_until, self.down = 0.0, False
 
     def take_failure(self) -> bool:
         with self.lock:
+            if time.monotonic() < self.slow_until:
+                return True
             if self.failures <= 0:
                 return False
             self.failures -= 1
             return True
+
+    def set_fault(self, fault: str) -> None:
+        """FAULTS' request path: "slow-down/SECONDS", "down" or "up"."""
+        kind, _, seconds = fault.partition("/")
+        with self.lock:
+            self.slow_until = time.monotonic() + float(seconds) if kind == "slow-down" else 0.0
+            self.down = kind == "down"
+
+    def control(self, fault: str) -> str:
+        """The URL that sets `fault` (see set_fault)."""
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}{FAULTS}{fault}"
 
 
 class _Forward(http.server.BaseHTTPRequestHandler):
@@ -49,6 +79,13 @@ class _Forward(http.server.BaseHTTPRequestHandler):
 
     def _relay(self) -> None:
         body = self._body()
+        if self.path.startswith(FAULTS):
+            self.server.set_fault(self.path.removeprefix(FAULTS))
+            self._answer(200, [], b"")
+            return
+        if self.server.down:  # nothing answered: the client's connection ends (curl: "Server returned nothing")
+            self.close_connection = True
+            return
         if self.server.take_failure():
             self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN)
             return
@@ -101,14 +138,29 @@ class _Forward(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def proxy(s3_server) -> Iterator[FaultyProxy]:
-    server = FaultyProxy(s3_server)
+@contextlib.contextmanager
+def _serving(upstream: str) -> Iterator[FaultyProxy]:
+    server = FaultyProxy(upstream)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def proxy(s3_server) -> Iterator[FaultyProxy]:
+    with _serving(s3_server) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def store_proxy(s3_server) -> Iterator[FaultyProxy]:
+    """One proxy for the module's Ray runs (their commands name its port)."""
+    with _serving(s3_server) as server:
+        yield server
 
 
 def _run_dir(proxy: FaultyProxy, prefix: str):
@@ -152,6 +204,33 @@ def test_a_store_that_keeps_failing_ends_the_write_in_one_line_after_the_budget(
     assert EXIT_STORAGE_FULL == 74
 
 
+def test_a_workers_sample_ids_wait_for_a_store_in_trouble(proxy, monkeypatch):
+    """A rank's own write into the bucket (its sample ids: the folder asked for, then the object) is retried too."""
+    import numpy as np
+
+    from raytrain_ddp import TrainConfig
+    from raytrain_ddp.worker.loop import save_sample_ids
+
+    monkeypatch.setenv(RETRY_BUDGET_ENV, "30")
+    config = TrainConfig(storage_path=_run_dir(proxy, "retry-ids").uri, name="ids", record_sample_ids=True)
+    proxy.failures = 100  # more than pyarrow's own retries of the folder's bucket check absorb (some 60)
+    save_sample_ids(config, 1, 0, [np.arange(8)])
+    assert proxy.failures == 0
+    written = np.load(io.BytesIO((config.run_dir / "sample_ids" / "epoch-1-rank-0.npy").read_bytes()))
+    assert written.tolist() == list(range(8))
+
+
+def test_a_503_without_a_body_counts_as_passing():
+    """A HEAD's 503 has no body, so pyarrow's error names no AWS error, only its status (the words below are
+    what the bucket check that starts a checkpoint's upload said, in a run behind the proxy)."""
+    head = (
+        "When testing for existence of bucket 'raytrain': AWS Error UNKNOWN (HTTP status 503) during HeadBucket "
+        "operation: No response body."
+    )
+    assert transient(OSError(head)) and transient(OSError(head.replace("503", "429")))
+    assert not transient(OSError(head.replace("503", "403")))
+
+
 def test_a_store_that_is_gone_ends_the_write_in_one_line(s3_server, monkeypatch):
     """Nothing listening on the store's port (a stopped server): connection refused, retried, then StorageFull."""
     monkeypatch.setenv(RETRY_BUDGET_ENV, "2")
@@ -161,3 +240,109 @@ def test_a_store_that_is_gone_ends_the_write_in_one_line(s3_server, monkeypatch)
     with pytest.raises(StorageFull) as ended:
         write_atomic(target, "{}\n")
     assert "writing steps.jsonl to s3://raytrain/gone/steps.jsonl" in str(ended.value)
+
+
+# ------------------------------------------------------------------ Ray runs whose store fails mid-run
+# 8 optimizer steps per epoch, a checkpoint every 4: epoch 1's two are uploaded whole; as epoch 2 starts, rank 0
+# (a worker hook) starts the store's fault, which epoch 2's checkpoint at step 4 meets (the driver writes nothing
+# then: its epoch 1 records are written, epoch 2's come only at its end).
+CHECKPOINT_UPLOAD = "the checkpoint of epoch 2 at step 4"
+
+
+def _train(ray_address: str, proxy: FaultyProxy, name: str) -> list[str]:
+    host, port = proxy.server_address[:2]
+    storage = f"s3://raytrain/store-faults?endpoint_override=http://{host}:{port}&scheme=http"
+    return [
+        *("--address", ray_address, "--storage-path", storage, "--name", name),
+        *("--epochs", "2", "--train-size", "1024", "--val-size", "256", "--checkpoint-every-steps", "4"),
+        *("--no-report", "--no-tensorboard"),
+    ]
+
+
+def _bucket(s3_server: str):
+    """The store itself, not through the proxy: what the runs left there."""
+    return location(f"s3://raytrain/store-faults?endpoint_override={s3_server}&scheme=http")
+
+
+def _epochs(run_dir) -> list[int]:
+    return [json.loads(line)["epoch"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def store_in_trouble(ray_address, s3_server, store_proxy):
+    """The store answers 503 SlowDown to everything for 30 s from epoch 2's start: longer than pyarrow's own
+    retries (and Ray Train's 3 tries of an upload) absorb, inside the retry budget (60 s)."""
+    hooks = command_hooks("StoreFault", control=store_proxy.control("slow-down/30"), epoch=2)
+    try:
+        result = run_cli("raytrain_ddp.run", *_train(ray_address, store_proxy, "in-trouble"), env=hooks)
+    finally:
+        store_proxy.set_fault("up")
+    print(result.stderr)  # what the user saw, on failure
+    return result, _bucket(s3_server) / "in-trouble"
+
+
+@pytest.mark.ray
+def test_a_store_in_trouble_mid_run_is_waited_for_and_the_run_finishes(store_in_trouble):
+    result, run_dir = store_in_trouble
+    output = result.stderr
+    assert result.returncode == 0, output[-3000:]
+    retried = [line for line in output.splitlines() if "retrying for up to" in line]
+    upload = [line for line in retried if line.startswith(f"rank 0: Writing {CHECKPOINT_UPLOAD} to ")]
+    assert len(upload) == 1, output[-3000:]  # said once, however many tries it took
+    assert "s3://raytrain/store-faults/in-trouble failed (" in upload[0], upload
+    assert "SLOW_DOWN" in upload[0] or "HTTP status 503" in upload[0], upload
+    assert len(retried) == len({line.split(" failed (")[0] for line in retried}), retried  # once per write
+    assert "restarted the workers" not in output and "Traceback" not in output, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["restarts"] == 0, summary
+    assert _epochs(run_dir) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def store_gone(ray_address, s3_server, store_proxy):
+    """The store stops answering for good as epoch 2 starts (budget 8 s); then it is back and the same command
+    runs again: (the first's output, what it left in the store, the second's output, what that left)."""
+    budget = {RETRY_BUDGET_ENV: "8"}
+    command = _train(ray_address, store_proxy, "gone")
+    hooks = command_hooks("StoreFault", control=store_proxy.control("down"), epoch=2)
+    try:
+        first = run_cli("raytrain_ddp.run", *command, env={**hooks, **budget})
+    finally:
+        store_proxy.set_fault("up")
+    print(first.stderr)
+    run_dir = _bucket(s3_server) / "gone"
+    recorded = _ray_compat.checkpoints_newest_first(_ray_compat.read_snapshot(run_dir) or {})
+    left = {
+        "names": sorted(path.name for path in run_dir.iterdir()),
+        "recorded": recorded,
+        "latest": torch.load(open_for_read(run_dir / recorded[0] / "checkpoint.pt"), weights_only=True),
+    }
+    again = run_cli("raytrain_ddp.run", *command, env=budget)
+    print(again.stderr)
+    after = {"epochs": _epochs(run_dir), "summary": json.loads((run_dir / "summary.json").read_text())}
+    return first, left, again, after
+
+
+@pytest.mark.ray
+def test_a_store_gone_mid_run_ends_it_once_in_one_line_with_exit_code_74(store_gone):
+    first, _, _, _ = store_gone
+    output, said = first.stderr, one_failure_line(first, EXIT_STORAGE_FULL)
+    assert re.fullmatch(
+        rf"Training failed: storage failed: the object store failed \(.+\) writing {CHECKPOINT_UPLOAD} to "
+        r"s3://raytrain/store-faults/gone; bring the store back \(or fix its access\) and run the same command "
+        r"again to resume",
+        said,
+    ), said
+    assert "Traceback" not in output and "restarted the workers" not in output, output[-3000:]
+    # summary.json cannot reach the store: it is the one JSON line on stderr
+    summary = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+    assert summary["restarts"] == 0 and summary["storage_full"]["writing"] == CHECKPOINT_UPLOAD, summary
+
+
+@pytest.mark.ray
+def test_a_store_gone_mid_run_keeps_the_latest_whole_checkpoint_and_the_same_command_resumes(store_gone):
+    _, left, again, after = store_gone
+    assert (left["latest"]["epoch"], left["latest"]["step_in_epoch"]) == (1, 0), left["names"]
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from checkpoint " in again.stderr, again.stderr[-3000:]
+    assert after["epochs"] == [1, 2] and after["summary"]["status"] == "finished", after

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raytrain_ddp import TrainConfig
-from raytrain_ddp.worker.schedule import lr_factor, make_scheduler, resume_schedule, steps_per_epoch
+from raytrain_ddp.worker.schedule import lr_factor, make_scheduler, optimizer_steps_per_epoch, resume_schedule
 
 pytestmark = pytest.mark.ray
 
@@ -46,7 +46,7 @@ def test_linear_scaling_and_steps_per_epoch():
     assert config.lr_for(4) == pytest.approx(0.8) and config.lr_for(1) == pytest.approx(0.2)  # elastic: 1 left
     assert TrainConfig(lr=0.1, num_workers=4, scale_lr=False).lr_for(4) == 0.1
     # 1000 rows on a rank, batches of 32: 32 micro-batches (the last partial), 16 optimizer steps.
-    assert steps_per_epoch(1000, config) == 16
+    assert optimizer_steps_per_epoch(1000, config) == 16
 
 
 def test_a_schedule_resumed_at_another_world_size_follows_it():

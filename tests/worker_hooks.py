@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,3 +177,20 @@ class FillDisk(WorkerHooks):
             disk = os.statvfs(os.path.dirname(self.ballast))
             with open(self.ballast, "wb") as file:
                 os.posix_fallocate(file.fileno(), 0, disk.f_bavail * disk.f_frsize - self.bytes_left)
+
+
+@dataclass
+class StoreFault(WorkerHooks):
+    """At the first micro-batch of `epoch`, rank 0 waits `wait_s` (Ray Train's controller takes in the checkpoint
+    reported before: it polls every 0.5 s), then GETs `control`, the URL at which the test's store proxy
+    (tests/test_storage_retry.py) starts a fault: the store fails at a known point, whatever the run did before."""
+
+    control: str
+    epoch: int
+    wait_s: float = 2.0
+
+    def on_micro_batch(self, rank: int, epoch: int, micro_batch: int) -> None:
+        if (rank, epoch, micro_batch) == (0, self.epoch, 1):
+            time.sleep(self.wait_s)
+            with urllib.request.urlopen(self.control, timeout=10) as answer:
+                answer.read()

@@ -171,8 +171,10 @@ ReturnToService=2
 # Finished jobs leave squeue after 5 s (default 300 makes sbatch --wait late).
 MinJobAge=5
 # A requeued job waits cred_expire seconds before it may start again (default
-# 120): 20 keeps the preemption/requeue test short.
-AuthInfo=cred_expire=20
+# 120, at least 5), then for the next scheduling pass (backfill every 30 s by
+# default): 10 and 5 keep the preemption/requeue test short.
+AuthInfo=cred_expire=10
+SchedulerParameters=bf_interval=5
 KillWait=30
 InactiveLimit=0
 SlurmdTimeout=60

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 
+from raytrain_ddp import _ray_compat
 from raytrain_ddp.checkpoint.layout import (
     CHECKPOINT_FILE,
     SHARDS_DIR,
@@ -118,7 +119,7 @@ class FullSaver(Saver):
                 checkpoint = write_full(directory, model_state, optimizer_state, plain)
             reporting()
             with storage_full_as(what, self.config.run_dir):  # Ray Train copies it into the run directory
-                ray.train.report(metrics, checkpoint=checkpoint)
+                _ray_compat.report_checkpoint(metrics, checkpoint, what, self.config.run_dir)
 
 
 def save(
@@ -181,13 +182,16 @@ class _Pending:
     what: str  # the checkpoint, as a message names it
 
 
-def report_uploaded(metrics: dict, directory: Path, rank: int) -> None:
+def report_uploaded(metrics: dict, directory: Path, rank: int, run_dir: RunPath) -> None:
     """Ray Train's report of the checkpoint this rank staged in `directory` (a local one of its own) for a run
     directory on object storage: every rank's files are uploaded into one checkpoint directory of that name
-    there (Ray Train merges them), then deleted here. Every rank calls it: it is a barrier."""
-    ray.train.report(
+    there (Ray Train merges them; a store that fails is retried, then StorageFull), then deleted here. Every
+    rank calls it: it is a barrier."""
+    _ray_compat.report_checkpoint(
         metrics,
-        checkpoint=Checkpoint.from_directory(str(directory)),
+        Checkpoint.from_directory(str(directory)),
+        f"the shards of {directory.name}",  # the console's warning names the rank
+        run_dir,
         checkpoint_dir_name=directory.name,
         delete_local_checkpoint_after_upload=True,
     )
@@ -218,7 +222,8 @@ class ShardedSaver(Saver):
         if isinstance(run_dir, Path):
             self.write_dir, default_report = run_dir, report_written
         else:
-            self.write_dir, default_report = Path(tempfile.mkdtemp(prefix="raytrain-shards-")), report_uploaded
+            self.write_dir = Path(tempfile.mkdtemp(prefix="raytrain-shards-"))
+            default_report = functools.partial(report_uploaded, run_dir=run_dir)
             weakref.finalize(self, shutil.rmtree, self.write_dir, True)  # this rank's own staging directory
         self.report = report or functools.partial(default_report, rank=rank)
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective

@@ -74,7 +74,7 @@ class Console:
         log.info("step %d: %s", record["step"], ", ".join(figures))
 
     def progress_line(self, positions: dict[int, dict], micro_batches_per_epoch: int) -> str | None:
-        """Step (micro-batches started by the rank furthest behind), samples/s, ETA and mean loss of the epoch in
+        """Micro-batch (micro-batches started by the rank furthest behind), samples/s, ETA and mean loss of the epoch in
         flight, over all ranks (`positions`: each rank's latest heartbeat; `micro_batches_per_epoch`: a rank's)."""
         if not positions:
             return None
@@ -84,13 +84,14 @@ class Console:
             return None
         samples = sum(p["samples"] for p in current)
         rate = self._rate(epoch, samples)
-        micro_batches = min(p["steps"] for p in current)
+        micro_batches = min(p["micro_batches"] for p in current)
         speed = f", {rate:,.0f} samples/s" if rate is not None else ""
         left = micro_batches_per_epoch - micro_batches
         eta = f", epoch ETA {left * (samples / max(micro_batches, 1)) / rate:.0f}s" if rate else ""
         losses = [p["loss"] for p in current if p["loss"] == p["loss"]]  # NaN before a rank's first step
         loss = f", loss {statistics.fmean(losses):.4f}" if losses else ""
-        return f"epoch {epoch}/{self.total_epochs}: step {micro_batches}/{micro_batches_per_epoch}{speed}{eta}{loss}"
+        where = f"micro-batch {micro_batches}/{micro_batches_per_epoch}"
+        return f"epoch {epoch}/{self.total_epochs}: {where}{speed}{eta}{loss}"
 
     def _rate(self, epoch: int, samples: int) -> float | None:
         """Samples/s since the epoch was first seen; None until there is a stretch to measure (a rate over no

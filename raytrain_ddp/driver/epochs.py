@@ -46,7 +46,7 @@ def aggregate_epoch(by_rank: dict[int, dict], config: TrainConfig) -> dict:
         "grad_allreduces_per_rank": [m["grad_allreduces"] for m in ranks],
         "lr": first["lr"],
         "data_wait_seconds_per_rank": [round(m["data_wait_seconds"], 4) for m in ranks],
-        "step_seconds_per_rank": [round(m["step_seconds"], 5) for m in ranks],
+        "micro_batch_seconds_per_rank": [round(m["micro_batch_seconds"], 5) for m in ranks],
         "allreduce_wait_seconds_per_rank": [
             None if m.get("allreduce_wait_seconds") is None else round(m["allreduce_wait_seconds"], 4) for m in ranks
         ],

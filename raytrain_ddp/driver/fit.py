@@ -21,7 +21,6 @@ from pathlib import Path
 
 import ray
 import ray.data
-from ray import cloudpickle
 from ray.train import FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -31,13 +30,14 @@ from raytrain_ddp.checkpoint.layout import entry_point
 from raytrain_ddp.checkpoint.state import describe as describe_checkpoint
 from raytrain_ddp.checkpoint.verify import check_fits_model
 from raytrain_ddp.config import TrainConfig, is_import_path
-from raytrain_ddp.data.pipeline import DataPlan, DataSpec, ShardingDataConfig, build_datasets, plan_data, plugin_plan
+from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets
+from raytrain_ddp.data.spec import DataPlan, DataSpec, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, run_directory, run_lock, tracker
 from raytrain_ddp.driver.console import finished_text
 from raytrain_ddp.driver.failures import RetryRuleTorchTrainer, describe_failure, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
-from raytrain_ddp.driver.signals import StopSignal, interrupts_deferred, stop_on_signals
+from raytrain_ddp.driver.signals import INTERRUPT_REASON, StopSignal, interrupts_deferred, stop_on_signals
 from raytrain_ddp.driver.tensorboard_log import TensorBoardLog
 from raytrain_ddp.driver.wandb_log import WandbLog
 from raytrain_ddp.driver.watchdog import NodeWatch, watch
@@ -47,9 +47,10 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import describe, import_root, load_object, make_task
 from raytrain_ddp.redact import RedactFilter, redact
 from raytrain_ddp.report import write_report
-from raytrain_ddp.storage import RemotePath, RunPath, Spool, stored, uri_of
+from raytrain_ddp.storage import RETRY_BUDGET_ENV, RemotePath, RunPath, Spool, stored, uri_of
 from raytrain_ddp.summary import RunSummary
-from raytrain_ddp.worker.hooks import WorkerHooks, pickled_hooks
+from raytrain_ddp.worker.args import UserCode, WorkerArgs
+from raytrain_ddp.worker.hooks import WorkerHooks, chosen_hooks
 from raytrain_ddp.worker.loop import train_loop_per_worker
 from raytrain_ddp.worker.profile import PROFILE_DIR
 
@@ -137,7 +138,7 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         options = dict(
             logging_level=quiet,
             log_to_driver=config.verbose,
-            runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots)}},
+            runtime_env={"env_vars": {**QUIET_ENV, **_pythonpath(import_roots), **_storage_retry_budget()}},
             job_config=ray.job_config.JobConfig(metadata={"job_name": config.name}),
         )  # Jobs page
         if address:
@@ -154,6 +155,12 @@ def connect(config: TrainConfig, import_roots: Sequence[str] = ()) -> str | None
         url = _ray_compat.dashboard_url()  # already connected (a notebook, a test session)
     ray.data.DataContext.get_current().enable_progress_bars = config.verbose
     return f"http://{url}" if url and not url.startswith("http") else url
+
+
+def _storage_retry_budget() -> dict:
+    """The object-store retry budget the driver was given, for the workers too (their checkpoint uploads)."""
+    budget = os.environ.get(RETRY_BUDGET_ENV)
+    return {RETRY_BUDGET_ENV: budget} if budget else {}
 
 
 def _pythonpath(import_roots: Sequence[str]) -> dict:
@@ -292,8 +299,9 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
 
 def resolve_plugins(
     config: TrainConfig, model_fn=None, dataset_fn=None, loss_fn=None, task=None, hooks: WorkerHooks | None = None
-) -> dict:
-    """Import the plug-ins the config names (a typo fails here, in one line); what the workers need to find them.
+) -> tuple[UserCode, list[str], object]:
+    """Import the plug-ins the config names (a typo fails here, in one line): the code the workers run, the
+    folders they import it from, and the dataset plug-in (None: no plug-in) the driver calls once Ray is up.
 
     Python API callables are recorded in the config by name, for the run directory's config.toml.
     """
@@ -308,7 +316,7 @@ def resolve_plugins(
         if path and is_import_path(path)
     ]
     loaded = {flag: load_object(path, flag) for flag, path in paths}
-    pickled, hooks_roots = pickled_hooks(hooks)
+    hooks, hooks_roots = chosen_hooks(hooks)
     for field_name, fn in (("model", model_fn), ("dataset", dataset_fn), ("loss", loss_fn), ("task", task)):
         if fn is not None:
             setattr(config, field_name, describe(fn))
@@ -319,15 +327,8 @@ def resolve_plugins(
         f"{getattr(obj, '__module__', '__main__')}:" for obj in (model_fn, loss_fn, task, dataset_fn) if obj is not None
     ]
     roots = {root for path in [p for _, p in paths] + api_paths if (root := import_root(path))} | set(hooks_roots)
-    return {
-        "import_roots": sorted(roots),
-        "hooks": pickled,
-        "model_fn": model_fn,
-        "loss_fn": loss_fn,
-        "task": task,  # a class or an object; made on each worker
-        "dataset_fn": dataset_fn or loaded.get("--dataset"),
-        "dataset_label": repr(config.dataset),
-    }
+    code = UserCode(model_fn=model_fn, loss_fn=loss_fn, task=task, hooks=hooks)
+    return code, sorted(roots), dataset_fn or loaded.get("--dataset")
 
 
 def model_shapes(config: TrainConfig, plan: DataPlan, model_fn) -> dict[str, tuple[int, ...]]:
@@ -389,6 +390,7 @@ class BuiltinWork:
 
     launched = False
     config_fields = None  # config.toml: every setting
+    interrupt_grace_s = 0  # a Ctrl-C ends the ranks at once: their last checkpoint is where a resume starts
 
     def __init__(self, model_fn=None, dataset_fn=None, loss_fn=None, task=None, hooks=None) -> None:
         self.model_fn, self.dataset_fn, self.loss_fn, self.task = model_fn, dataset_fn, loss_fn, task
@@ -400,18 +402,18 @@ class BuiltinWork:
     def before_ray(self, config: TrainConfig) -> list[str]:
         """Plug-ins imported, the run directory checked, the data planned and checked against the model (nothing
         started, nothing written); returns the folders the workers import plug-ins from."""
-        self.plugins = resolve_plugins(config, self.model_fn, self.dataset_fn, self.loss_fn, self.task, self.hooks)
-        self.dataset_fn = self.plugins.pop("dataset_fn")
-        self.dataset_label = self.plugins.pop("dataset_label")
+        self.code, self.import_roots, self.dataset_fn = resolve_plugins(
+            config, self.model_fn, self.dataset_fn, self.loss_fn, self.task, self.hooks
+        )
         run_directory.check(config)  # a finished run, or the name taken by other work: before Ray starts
         if not self.dataset_fn:
             self.plan = plan_data(config)
             self._check(config)
-        return self.plugins["import_roots"]
+        return self.import_roots
 
     def with_ray(self, config: TrainConfig) -> None:
         if self.dataset_fn:  # a plug-in's datasets are Ray Datasets: made once Ray is up
-            self.plan = plugin_plan(config, self.dataset_fn, self.dataset_label)
+            self.plan = plugin_plan(config, self.dataset_fn, repr(config.dataset))
             self._check(config)
 
     def _check(self, config: TrainConfig) -> None:
@@ -461,12 +463,8 @@ class BuiltinWork:
 
     def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
         """Ray Train's training function, its config, the datasets and their sharding."""
-        loop_config = {"config": config.to_dict(), "spec": self.plan.spec.__dict__, "monitor": monitor}
-        # The Python API's callables pickled here and unpickled on each worker once their modules' folders are on
-        # its path: Ray Train's controller unpickles its config first, where a user's module would not import.
-        objects = {name: value for name, value in self.plugins.items() if name != "import_roots"}
-        loop_config["plugins"] = {"import_roots": self.plugins["import_roots"], "objects": cloudpickle.dumps(objects)}
-        return train_loop_per_worker, loop_config, build_datasets(config, self.plan), ShardingDataConfig()
+        args = WorkerArgs.pack(config, self.plan.spec, monitor, self.import_roots, self.code)
+        return train_loop_per_worker, args.to_loop_config(), build_datasets(config, self.plan), ShardingDataConfig()
 
 
 def _run(config: TrainConfig, work, stop_signal: StopSignal, lock: run_lock.RunLock) -> FitResult:
@@ -617,6 +615,7 @@ def _run_ray_train(
             outcome.error = recorder.verdict.reason
         else:
             outcome.interrupted = True
+            _let_ranks_exit(work, observers)
             with interrupts_deferred():
                 _ray_compat.kill_train_controller()  # its workers go with it
     except ray.train.TrainingFailedError as err:
@@ -631,6 +630,29 @@ def _run_ray_train(
     finally:
         outcome.stop_reason = _stop_observers(observers, stop_signal, lock)
     return outcome
+
+
+def _let_ranks_exit(work, observers: _Observers) -> None:
+    """After a Ctrl-C, a launched script's ranks get SIGINT, as torchrun passes it on, and up to
+    `work.interrupt_grace_s` to exit (to save, say); a second Ctrl-C ends the wait. The built-in loop's ranks
+    (grace 0) are ended at once: their last checkpoint is their resume point."""
+    grace = work.interrupt_grace_s
+    if not grace:
+        return
+    log.warning(
+        "Interrupted: SIGINT passed on to every rank's script, which has %ds to exit; Ctrl-C again to end it now",
+        grace,
+    )
+    deadline = time.monotonic() + grace
+    try:
+        observers.monitor.request_stop.remote(INTERRUPT_REASON)
+        while ray.get(observers.monitor.ranks_running.remote()):
+            if time.monotonic() > deadline:
+                log.warning("Not every rank's script exited within %ds of the Ctrl-C: ending them", grace)
+                return
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        log.warning("Interrupted again: ending every rank's script now")
 
 
 def _stop_observers(observers: _Observers, stop_signal: StopSignal, lock: run_lock.RunLock) -> str | None:

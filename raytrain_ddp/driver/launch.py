@@ -29,6 +29,9 @@ from raytrain_ddp.worker.launched import rank_log, run_function_per_worker, run_
 log = logging.getLogger("raytrain_ddp")
 
 TEE_CHOICES = ("0", "all")  # whose output the console shows: rank 0's, or every rank's
+# After a Ctrl-C, how long each rank's script has to exit on the SIGINT passed on to it before it is killed:
+# torchrun's wait between its signal and SIGKILL
+INTERRUPT_GRACE_S = 30
 
 
 @dataclass
@@ -49,6 +52,12 @@ class LaunchedWork:
     config_fields = LAUNCH_FIELDS  # config.toml: the settings a launched run reads
     train_rows = 0  # no data of the project's: the script reads its own
     data_kind = "script"
+
+    @property
+    def interrupt_grace_s(self) -> int:
+        """A script gets a Ctrl-C as SIGINT and this long to exit; a function (a thread of Ray's worker, which no
+        signal reaches) is ended at once."""
+        return INTERRUPT_GRACE_S if self.script else 0
 
     @property
     def what(self) -> str:

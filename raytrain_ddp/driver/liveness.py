@@ -87,7 +87,7 @@ class Liveness:
 
         `progress["time"]` is when the monitor received it, on the monotonic clock of the driver's node.
         """
-        position = (progress["epoch"], progress["steps"], progress["phase"], progress["phase_done"])
+        position = (progress["epoch"], progress["micro_batches"], progress["phase"], progress["phase_done"])
         previous = self.positions.get(rank)
         if previous is None or previous["position"] != position:
             progress["moved_at"] = progress["time"]
@@ -112,7 +112,7 @@ class Liveness:
 
     def _behind_first(self, rank: int) -> tuple:
         p = self.positions[rank]
-        return p["epoch"], p["steps"], PHASE_ORDER.get(p["phase"], 0), p["phase_done"]
+        return p["epoch"], p["micro_batches"], PHASE_ORDER.get(p["phase"], 0), p["phase_done"]
 
     def stuck_rank(self) -> int | None:
         """The rank furthest behind (epoch, micro-batches started, phase, progress in it): the likeliest culprit
@@ -129,7 +129,7 @@ class Liveness:
             host = workers.get(rank, {}).get("hostname", "?")
             unheard = f", no heartbeat for {now - p['time']:.0f}s" if now - p["time"] > SILENT_AFTER_S else ""
             parts.append(
-                f"rank {rank} on {host}: {describe_phase(p)}, epoch {p['epoch']} step {p['steps']}, "
+                f"rank {rank} on {host}: {describe_phase(p)}, epoch {p['epoch']} micro-batch {p['micro_batches']}, "
                 f"unchanged for {now - p['moved_at']:.0f}s{unheard}"
             )
         if len(seen) > STALL_RANKS_SHOWN:

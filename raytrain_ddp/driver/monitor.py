@@ -63,6 +63,7 @@ class RunMonitor:
         self._events: list[tuple] = []
         self._stop_reason: str | None = None
         self._aggregators: dict[str, ray.actor.ActorHandle] = {}  # node id -> its ranks' NodeAggregator
+        self._running: set[int] = set()  # ranks of the current attempt still at work (started, not ended)
 
     def aggregator_for(self, node_id: str, hostname: str) -> ray.actor.ActorHandle:
         """The node's aggregator, started (pinned to the node) when its first rank asks. Owned by this actor:
@@ -88,13 +89,23 @@ class RunMonitor:
         return self._stop_reason
 
     def worker_started(self, rank: int, info: dict) -> None:
+        self._running.add(rank)
         self._events.append(("started", rank, info))
+
+    def worker_ended(self, rank: int) -> None:
+        """A launched rank's script (or function) returned, and its output and reports are in."""
+        self._running.discard(rank)
+
+    def ranks_running(self) -> int:
+        """Launched ranks started and not yet ended: what a Ctrl-C waits for (driver.fit; the built-in loop's
+        ranks never say they ended, and a Ctrl-C does not wait for them)."""
+        return len(self._running)
 
     def progress(
         self,
         rank: int,
         epoch: int,
-        steps: int,
+        micro_batches: int,
         samples: int,
         loss: float,
         phase: str,
@@ -107,7 +118,7 @@ class RunMonitor:
         `phase_done`: the progress inside the phase (see `Heartbeat.advance`). Stamped with this node's
         monotonic clock, which the driver (on the same node) reads for the watchdog's deadline.
         """
-        where = {"epoch": epoch, "steps": steps, "samples": samples, "loss": loss, "phase": phase}
+        where = {"epoch": epoch, "micro_batches": micro_batches, "samples": samples, "loss": loss, "phase": phase}
         self._events.append(("progress", rank, {**where, "phase_done": phase_done, "time": time.monotonic()}))
         self._add_steps(rank, step_records)
         return self._stop_reason
@@ -123,6 +134,10 @@ class RunMonitor:
     def output(self, rank: int, lines: list[str]) -> None:
         """A launched script's output lines, for the console (every line is in its rank's log already)."""
         self._events.append(("output", rank, lines))
+
+    def warning(self, rank: int, line: str) -> None:
+        """A rank's warning for the console (an object-store write it retries): Ray's worker output is off it."""
+        self._events.append(("warning", rank, line))
 
     def _add_steps(self, rank: int, step_records: list[dict]) -> None:
         if step_records:
@@ -183,7 +198,7 @@ class RunRecorder:
         return self.verdict is not None and self.verdict.cluster_gone
 
     @property
-    def steps_per_epoch(self) -> int:
+    def micro_batches_per_epoch(self) -> int:
         """Micro-batches per rank per epoch, at the current world size."""
         return self.config.batches_for(self.train_rows // self.world_size)
 
@@ -204,14 +219,14 @@ class RunRecorder:
             else:
                 self._take(kind, rank, payload)
         if self.liveness.positions:
-            self.console.show_progress(self.liveness.positions, self.steps_per_epoch)
+            self.console.show_progress(self.liveness.positions, self.micro_batches_per_epoch)
 
     def _take_node_news(self, message: dict) -> None:
         """A node aggregator's message: each rank's beat (its time on the driver's clock), then the news its
         ranks handed over, in their order."""
         self.liveness.node_heard(message)
-        for rank, (epoch, steps, samples, loss, phase, phase_done, age_s) in message["beats"].items():
-            where = {"epoch": epoch, "steps": steps, "samples": samples, "loss": loss, "phase": phase}
+        for rank, (epoch, micro_batches, samples, loss, phase, phase_done, age_s) in message["beats"].items():
+            where = {"epoch": epoch, "micro_batches": micro_batches, "samples": samples, "loss": loss, "phase": phase}
             self._take("progress", rank, {**where, "phase_done": phase_done, "time": message["time"] - age_s})
         for kind, rank, payload in message["events"]:
             self._take(kind, rank, payload)
@@ -240,9 +255,11 @@ class RunRecorder:
         elif kind == "output":
             for line in payload:
                 log.info("[rank %d] %s", rank, line)
+        elif kind == "warning":
+            log.warning("rank %d: %s", rank, payload)
 
     def progress_line(self) -> str | None:
-        return self.console.progress_line(self.liveness.positions, self.steps_per_epoch)
+        return self.console.progress_line(self.liveness.positions, self.micro_batches_per_epoch)
 
     def _new_attempt(self, world_size: int) -> None:
         """Ray Train started a worker group (the first, or a restart): follow its world size."""

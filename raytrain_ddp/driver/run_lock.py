@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from raytrain_ddp.errors import ConfigError, RunTakenOver
+from raytrain_ddp.errors import ConfigError, RunTakenOver, StorageFull
 from raytrain_ddp.storage import RemotePath, RunPath
 
 log = logging.getLogger("raytrain_ddp")
@@ -204,7 +204,8 @@ class RunLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError):  # a filesystem hiccup: the next beat tries again
+            # a filesystem hiccup, or an object store down past the retry budget: the next beat tries again
+            with contextlib.suppress(OSError, StorageFull):
                 holder = _read(self.path)
                 if holder and holder.get("token") != self.token:  # taken over (this driver hung past STALE_AFTER_S)
                     self.taken_by = describe(holder)

@@ -18,6 +18,7 @@ STOP_SIGNALS = {
     signal.SIGTERM: "SIGTERM",
 }
 
+INTERRUPT_REASON = "SIGINT (Ctrl-C)"  # passed on to a launched script's ranks, as torchrun passes Ctrl-C on
 
 _early: list[int] = []  # stop signals that came before fit() took over: while the CLI imported torch and Ray
 

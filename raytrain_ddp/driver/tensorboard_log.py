@@ -10,7 +10,7 @@
 Scalars, all with ``global_step = epoch``: train/loss, train/loss_min, train/loss_max,
 val/loss, val/accuracy, throughput/samples_per_second, time/epoch_seconds, and per
 rank ``throughput/rank_{r}`` (samples_per_rank / seconds), ``data_wait/rank_{r}``,
-``train_loss/rank_{r}``, ``micro_batches/rank_{r}``, ``step_seconds/rank_{r}`` and
+``train_loss/rank_{r}``, ``micro_batches/rank_{r}``, ``micro_batch_seconds/rank_{r}`` and
 ``gpu_memory_peak_gib/rank_{r}``. Any other ``NAME_per_rank`` number list becomes
 ``NAME/rank_{r}``. Above 64 ranks a record holds summaries instead of per-rank lists
 (epochs.split_per_rank): ``data_wait/min``, ``/median``, ``/p90``, ``/max`` and the like, no scalar per
@@ -56,7 +56,7 @@ PER_RANK = {  # record field -> tag group; each rank r is GROUP/rank_{r}
     "data_wait_seconds_per_rank": "data_wait",
     "train_loss_per_rank": "train_loss",
     "samples_per_rank": "samples",
-    "step_seconds_per_rank": "step_seconds",
+    "micro_batch_seconds_per_rank": "micro_batch_seconds",
     "gpu_memory_peak_gib_per_rank": "gpu_memory_peak_gib",
     # val_loss/val_accuracy per rank: the same on every rank (val_identical_across_ranks); not logged
     "val_loss_per_rank": None,

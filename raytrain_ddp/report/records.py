@@ -181,7 +181,7 @@ RANK_FIELDS = [
         "Data wait per rank (time blocked on input)",
         "seconds per epoch",
     ),
-    RankField("step_seconds_per_rank", "step time (s)", ".4f", "Step time per rank", "seconds"),
+    RankField("micro_batch_seconds_per_rank", "micro-batch time (s)", ".4f", "Micro-batch time per rank", "seconds"),
     RankField("gpu_memory_peak_gib_per_rank", "GPU mem peak (GiB)", ".2f", "Peak GPU memory per rank", "GiB"),
 ]
 KNOWN_RANK_KEYS = {f.key for f in RANK_FIELDS}

@@ -40,9 +40,9 @@ class NodeNews:
         self.queued = self.delivered = 0  # events ever queued; of them, how many the monitor took (in order)
         self.stop_reason: str | None = None  # the driver's, as the last message's answer said
 
-    def beat(self, rank, epoch, steps, samples, loss, phase, phase_done, step_records) -> str | None:
+    def beat(self, rank, epoch, micro_batches, samples, loss, phase, phase_done, step_records) -> str | None:
         """A rank's heartbeat (`RunMonitor.progress`'s arguments); answers the driver's stop request, if any."""
-        self.beats[rank] = (epoch, steps, samples, loss, phase, phase_done)
+        self.beats[rank] = (epoch, micro_batches, samples, loss, phase, phase_done)
         self.heard[rank] = time.monotonic()
         if step_records:
             self.add("steps", rank, step_records)

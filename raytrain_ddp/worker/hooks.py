@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 
 from raytrain_ddp.plugins import import_root, load_object
 
@@ -38,21 +37,13 @@ class WorkerHooks:
         """After validation batch `batch` (from 1) of `epoch` was launched and counted in the heartbeat."""
 
 
-def pickled_hooks(hooks: WorkerHooks | None) -> tuple[bytes | None, list[str]]:
-    """The pickled hooks (`hooks`, else those RAYTRAIN_WORKER_HOOKS names; None: the defaults), and the import
-    root workers need to unpickle them.
-
-    Pickled here, unpickled by `worker_hooks`: Ray's controller unpickles the loop's config before any
-    worker has the hooks' module on its path.
-    """
+def chosen_hooks(hooks: WorkerHooks | None) -> tuple[WorkerHooks | None, list[str]]:
+    """The run's hooks (`hooks`, else those RAYTRAIN_WORKER_HOOKS names; None: the defaults), and the import
+    root workers need to unpickle them."""
     path = os.environ.get(HOOKS_ENV)
     if hooks is None and path:
         hooks = load_object(path, HOOKS_ENV)(**json.loads(os.environ.get(HOOKS_ARGS_ENV) or "{}"))
     if hooks is None:
         return None, []
     root = import_root(f"{type(hooks).__module__}:")
-    return pickle.dumps(hooks), [root] if root else []
-
-
-def worker_hooks(pickled: bytes | None) -> WorkerHooks:
-    return pickle.loads(pickled) if pickled else WorkerHooks()
+    return hooks, [root] if root else []

@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -36,11 +37,11 @@ import ray.train.collective
 from ray import cloudpickle
 
 from raytrain_ddp import session
-from raytrain_ddp.errors import ScriptFailed, ScriptKilled
+from raytrain_ddp.errors import ScriptFailed, ScriptKilled, StorageFull
 from raytrain_ddp.plugins import add_import_roots
-from raytrain_ddp.storage import RemotePath, Spool, copy_tree, location
+from raytrain_ddp.storage import RemotePath, Spool, copy_tree, file_states, location
 from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
-from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK
+from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK, STORAGE_FULL_NOTE
 
 log = logging.getLogger("raytrain_ddp.worker")
 
@@ -79,8 +80,16 @@ class Channel:
     def request_stop(self) -> None:
         (self.path / session.STOP_FILE).touch()
 
+    def note_restored(self, files: dict[str, tuple[int, int]]) -> None:
+        (self.path / session.RESTORED_FILE).write_text(json.dumps(files))
+
     def joined_process_group(self) -> bool:
         return (self.path / PROCESS_GROUP_MARK).exists()
+
+    def storage_full(self) -> StorageFull | None:
+        """The full disk or quota the script died of, as its runner noted it."""
+        note = self.path / STORAGE_FULL_NOTE
+        return pickle.loads(note.read_bytes()) if note.exists() else None
 
 
 class Supervisor:
@@ -94,8 +103,8 @@ class Supervisor:
         self.local_world_size = context.get_local_world_size()
         self.monitor, self.run_dir = loop_config["monitor"], location(loop_config["run_dir"])
         self.logs = Spool(self.run_dir / "logs", fetch=(rank_log("", self.rank).name,))
-        self.checkpoint = self._local_checkpoint()
         self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
+        self.checkpoint = self._local_checkpoint()
         self.busy_beats = 0  # beats in which the rank printed, reported or computed: its liveness
         self.output: list[str] = []  # teed lines not yet sent to the driver
         self.output_lock = threading.Lock()
@@ -129,6 +138,7 @@ class Supervisor:
         local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-")) / "checkpoint"
         if stored.is_dir() and stored.iterdir():
             copy_tree(stored, local)
+            self.channel.note_restored(file_states(local))  # in the store already: not uploaded again
         return local
 
     def session_env(self) -> dict[str, str]:
@@ -182,6 +192,7 @@ class Supervisor:
         self.logs.upload()
         if isinstance(self.run_dir, RemotePath):  # the store holds what rank zero saved
             shutil.rmtree(self.checkpoint.parent, ignore_errors=True)
+        self.monitor.worker_ended.remote(self.rank)  # a Ctrl-C's grace waits no longer for this rank
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -194,8 +205,9 @@ def _cpu_ticks(pid: int) -> int:
 
 
 def _stop_signal(reason: str) -> signal.Signals:
-    """The signal the driver got (its reason names it), passed on as torchrun passes signals to its workers."""
-    return signal.SIGUSR1 if reason.startswith("SIGUSR1") else signal.SIGTERM
+    """The signal the driver got (its reason starts with its name: SIGUSR1, SIGTERM, SIGINT for a Ctrl-C), passed
+    on as torchrun passes signals to its workers."""
+    return getattr(signal.Signals, reason.split(" ", 1)[0], signal.SIGTERM)
 
 
 def _master_address() -> tuple[str, int]:
@@ -209,17 +221,8 @@ def _master_address() -> tuple[str, int]:
     return tuple(ray.train.collective.broadcast_from_rank_zero(chosen))
 
 
-def run_script_per_worker(loop_config: dict) -> None:
-    """Ray Train's training function for a script: run it on this rank, return when it exits well."""
-    script, args = loop_config["script"], loop_config["script_args"]
-    master_addr, master_port = _master_address()
-    child: subprocess.Popen | None = None
-
-    def pass_stop(reason: str) -> None:
-        if child is not None and child.poll() is None:
-            child.send_signal(_stop_signal(reason))
-
-    supervisor = Supervisor(loop_config, pass_stop)
+def _script_env(loop_config: dict, supervisor: Supervisor, master_addr: str, master_port: int) -> dict[str, str]:
+    """The script's environment: the caller's, torchrun's variables, the session's."""
     torchrun_env = {
         "RANK": supervisor.rank,
         "LOCAL_RANK": supervisor.local_rank,
@@ -241,11 +244,30 @@ def run_script_per_worker(loop_config: dict) -> None:
         if key in os.environ and (key == "CUDA_VISIBLE_DEVICES" or key not in env):
             env[key] = os.environ[key]
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log as they are printed
+    return env
+
+
+def run_script_per_worker(loop_config: dict) -> None:
+    """Ray Train's training function for a script: run it on this rank, return when it exits well."""
+    script, args = loop_config["script"], loop_config["script_args"]
+    master_addr, master_port = _master_address()
+    child: subprocess.Popen | None = None
+
+    def pass_stop(reason: str) -> None:
+        if child is not None and child.poll() is None:
+            child.send_signal(_stop_signal(reason))
+
+    supervisor = Supervisor(loop_config, pass_stop)
+    env = _script_env(loop_config, supervisor, master_addr, master_port)
     cwd = loop_config["cwd"] if os.path.isdir(loop_config["cwd"]) else os.path.dirname(script)
     log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", script, *args]
-    child = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # a session of its own, as torchrun starts its workers: a terminal's Ctrl-C reaches it once, passed on by the
+    # driver (which then gives it a grace period), not also straight from the terminal
+    child = subprocess.Popen(
+        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     supervisor.cpu_of = lambda: _cpu_ticks(child.pid)
     supervisor.announce(stack_pid=child.pid)
     teed = loop_config["tee"] == "all" or supervisor.rank == 0
@@ -256,6 +278,8 @@ def run_script_per_worker(loop_config: dict) -> None:
         return
     if returncode < 0:
         raise ScriptKilled(f"killed by {signal.Signals(-returncode).name} ({log_path})", exited_at)
+    if returncode > 0 and (full := supervisor.channel.storage_full()) is not None:
+        raise full  # not a rank's failure: the run ends at once in the storage line, exit 74, no restart
     if returncode > 0:
         error = _exception_of(tail) or "the script failed"
         raise ScriptFailed(f"{error} (exit code {returncode}; {log_path})", exited_at)

@@ -29,27 +29,30 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray import cloudpickle
 from torch import nn
 
+from raytrain_ddp import storage
 from raytrain_ddp.checkpoint import ranking
 from raytrain_ddp.checkpoint import saver as ckpt
 from raytrain_ddp.checkpoint.state import Position, plain_state, position_of
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import DataSpec, TrainShard, host_batches, val_batches
+from raytrain_ddp.data.pipeline import rank_inputs
+from raytrain_ddp.data.spec import DataSpec
 from raytrain_ddp.errors import plural, storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
-from raytrain_ddp.plugins import add_import_roots, load_object, make_loss, make_task
+from raytrain_ddp.plugins import load_object, make_loss, make_task
 from raytrain_ddp.worker import strategy
+from raytrain_ddp.worker.args import UserCode, WorkerArgs
 from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
 from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
-from raytrain_ddp.worker.hooks import WorkerHooks, worker_hooks
+from raytrain_ddp.worker.hooks import WorkerHooks
 from raytrain_ddp.worker.metrics import (
     DriverLink,
     EpochMeter,
     Heartbeat,
     StepClock,
+    WarningsToDriver,
     all_ranks_agree,
     batch_rows,
     check_finite,
@@ -62,7 +65,7 @@ from raytrain_ddp.worker.metrics import (
 )
 from raytrain_ddp.worker.phases import CHECKPOINT_STAGES
 from raytrain_ddp.worker.profile import StepProfile
-from raytrain_ddp.worker.schedule import make_scheduler, resume_schedule, steps_per_epoch
+from raytrain_ddp.worker.schedule import make_scheduler, optimizer_steps_per_epoch, resume_schedule
 
 log = logging.getLogger("raytrain_ddp.worker")
 
@@ -93,6 +96,13 @@ def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -
     with storage_full_as(f"the sample ids of epoch {epoch}", directory):
         directory.mkdir(parents=True, exist_ok=True)
         write_atomic(directory / f"epoch-{epoch}-rank-{rank}.npy", array.getvalue())
+
+
+def _storage_warnings_to(monitor, rank: int) -> None:
+    """This rank's object-store retries (its checkpoint uploads) said on the driver's console, once each."""
+    storage_log = logging.getLogger(storage.__name__)
+    storage_log.handlers[:] = [WarningsToDriver(monitor, rank)]  # one, however often a group restarts here
+    storage_log.setLevel(logging.INFO)
 
 
 def _label_worker_logs(rank: int) -> None:
@@ -149,25 +159,26 @@ REPLAYED_SETTINGS = ("seed", "batch_size", "grad_accum")
 class RankTrainer:
     """Model, optimizer, schedule and scaler of one rank, and the two things done with them per batch."""
 
-    def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, plugins: dict, world_size: int):
+    def __init__(self, config: TrainConfig, spec: DataSpec, device: torch.device, code: UserCode, world_size: int):
         self.config, self.device, self.world_size = config, device, world_size
         strategy.setup_device(config, device)
         # The same seed on every rank gives the same initial weights (DDP also
         # broadcasts rank zero's at wrap time); the data order comes from Ray Data.
         torch.manual_seed(config.seed)
-        model = build_model(config, spec, plugins.get("model_fn"))
+        model = build_model(config, spec, code.model_fn)
         self.peak_tflops = peak_tflops(device, config.peak_tflops)
         # Counted before sharding, on GPUs (or given a peak): the counter's first use imports torch._dynamo (2 s)
         counted = (device.type == "cuda" or self.peak_tflops is not None) and not config.task  # a task's: any columns
         self.flops_per_sample = training_flops_per_sample(model, padding_batch(spec, "cpu")["x"]) if counted else None
         self.model, self.grad_syncs = strategy.distribute(model, config, device)
         self.optimizer = make_optimizer(config, self.model, self.world_size)  # after FSDP: it steps the local shards
-        self.epoch_steps = steps_per_epoch(spec.train_rows // self.world_size, config)
+        self.epoch_steps = optimizer_steps_per_epoch(spec.train_rows // self.world_size, config)
         self.scheduler = make_scheduler(self.optimizer, config, self.epoch_steps)
         self.scaler = strategy.grad_scaler(config, device)
-        self.loss_fn = make_loss_fn(config, plugins.get("loss_fn"))
-        task = plugins.get("task")
-        self.task = None if task is None else make_task(task, config, repr(config.task))  # --task: the user's step
+        self.loss_fn = make_loss_fn(config, code.loss_fn)
+        self.task = (
+            None if code.task is None else make_task(code.task, config, repr(config.task))
+        )  # --task: the user's step
         self.grad_norm: torch.Tensor | None = None  # the last optimizer step's, when computed
         sharded, rank = config.checkpoint_format == "sharded", dist.get_rank()
         self.saver = ckpt.ShardedSaver(config.run_dir, rank) if sharded else ckpt.FullSaver(config, rank)
@@ -265,14 +276,12 @@ class RankTrainer:
 class WorkerLoop:
     """One rank's run: the pieces `train_loop_per_worker` strings together, in its order."""
 
-    def __init__(self, loop_config: dict) -> None:
-        self.config = config = TrainConfig(**loop_config["config"])
-        self.spec = DataSpec(**loop_config["spec"])
-        self.monitor, packed = loop_config["monitor"], loop_config["plugins"]
-        self.run_info = {"config": loop_config["config"], "data_spec": loop_config["spec"]}
-        add_import_roots(packed["import_roots"])
-        plugins = cloudpickle.loads(packed["objects"])  # once their modules are importable here
-        self.hooks = worker_hooks(plugins.get("hooks"))
+    def __init__(self, args: WorkerArgs) -> None:
+        self.config = config = args.config
+        self.spec, self.monitor = args.spec, args.monitor
+        self.run_info = {"config": config.to_dict(), "data_spec": args.spec.__dict__}
+        code = args.user_code()
+        self.hooks = code.hooks or WorkerHooks()
         context = ray.train.get_context()
         self.rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic runs: this attempt's
         self.device = device = ray.train.torch.get_device()
@@ -289,18 +298,18 @@ class WorkerLoop:
             },
         )
         _label_worker_logs(self.rank)
+        _storage_warnings_to(self.monitor, self.rank)
         self.link = DriverLink(self.monitor, self.rank)
         self.heartbeat = Heartbeat(self.link.post, self.rank)
         if config.compile:
             self.heartbeat.follow_compiles()
-        self.trainer = RankTrainer(config, self.spec, device, plugins, world_size)
+        self.trainer = RankTrainer(config, self.spec, device, code, world_size)
         self.trainer.saver.progress = self.heartbeat.writing_checkpoint
         self.feed = DeviceFeed(self.spec, device)
         # the run directory only when profiling: on object storage, opening it would cost a lookup on each worker
         run_dir = config.run_dir if config.profile_window else None
         self.profile = StepProfile(config.profile_window, run_dir, self.rank, device)
-        self.train_shard = ray.train.get_dataset_shard("train")
-        self.val_shard = ray.train.get_dataset_shard("val")
+        self.train_input, self.val_input = rank_inputs()
         self.position = Position()
         self.last_checkpoint_at = time.monotonic()  # for --checkpoint-every-minutes
 
@@ -308,7 +317,7 @@ class WorkerLoop:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
             with ckpt.loaded(resume_from) as state:
-                self.position = self.trainer.restore(state, isinstance(self.train_shard, TrainShard))
+                self.position = self.trainer.restore(state, self.train_input.resizable)
             log.info("rank %d resumes from %s %s", self.rank, resume_from.path, self.position.resumes())
         log.info("training on %s from epoch %d", self.device, self.position.epoch + 1)
         return self.position
@@ -324,7 +333,7 @@ class WorkerLoop:
         done = self.position.step_in_epoch if resumed else 0
         earlier_parts = self.position.earlier_parts if resumed else ()
         run.optimizer_steps = done
-        shard_batches = host_batches(self.train_shard, config, epoch, earlier_parts)
+        shard_batches = self.train_input.host_batches(config, epoch, earlier_parts)
         batches = itertools.islice(shard_batches, done * config.grad_accum, None)
         fed = fed_batches(batches, self.feed, meter, self.hooks, self.rank)
         for micro_batch, (batch, is_last) in enumerate(fed, start=done * config.grad_accum + 1):
@@ -430,7 +439,7 @@ class WorkerLoop:
         # (buffer broadcast), and ranks may hold different numbers of val batches.
         # FSDP: the sharded model, every rank in lockstep (its forward all-gathers).
         fsdp, lockstep = config.strategy == "fsdp", None
-        batches, most = val_batches(self.val_shard, config.batch_size)
+        batches, most = self.val_input.batches(config.batch_size)
         if fsdp:
             if most is None:  # a plug-in's split: counted once read, held on the host (never on the device)
                 batches = list(batches)
@@ -471,7 +480,7 @@ class WorkerLoop:
             "lr": trainer.lr,
             "train_seconds": run.train_seconds,
             "data_wait_seconds": meter.data_wait_s,
-            "step_seconds": run.compute_seconds / max(micro_batches, 1),
+            "micro_batch_seconds": run.compute_seconds / max(micro_batches, 1),
             **val_metrics,
         }
         # gloo completes a future when its all-reduce has; NCCL's may complete at enqueue: no wait measured there
@@ -519,7 +528,7 @@ def train_epochs(worker: WorkerLoop, position: Position) -> bool:
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
-    worker = WorkerLoop(loop_config)
+    worker = WorkerLoop(WorkerArgs.from_loop_config(loop_config))
     position = worker.resume()
     with worker.profile:  # a --profile-steps window the run ends inside is written on the way out
         completed = train_epochs(worker, position)

@@ -245,6 +245,21 @@ class DriverLink:
         return ray.get(getattr(self.monitor, method).remote(*args), timeout=POST_TIMEOUT_S)
 
 
+class WarningsToDriver(logging.Handler):
+    """A logger's warnings on this rank (raytrain_ddp.storage's: a write it retries) on the driver's console too:
+    Ray's worker output is kept off it. Posted without waiting: a rank never waits for the console."""
+
+    def __init__(self, monitor, rank: int) -> None:
+        super().__init__(logging.WARNING)
+        self.monitor, self.rank = monitor, rank
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.monitor.warning.remote(self.rank, record.getMessage())
+        except Exception:  # the monitor gone (the run ending): the line stays in this worker's log
+            self.handleError(record)
+
+
 def default_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension: classes [batch, classes], or next tokens [batch, length, vocab]."""
     return F.cross_entropy(outputs.flatten(0, -2), targets.flatten())
@@ -382,11 +397,11 @@ def sync_buffers(model: nn.Module) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def check_finite(loss: float, rank: int, epoch: int, step: int) -> None:
+def check_finite(loss: float, rank: int, epoch: int, micro_batch: int) -> None:
     """Stop on a NaN or infinite loss, saying where: retraining on from there is wasted work."""
     if not math.isfinite(loss):
         raise FloatingPointError(
-            f"training loss is {loss} on rank {rank} at epoch {epoch}, by step {step}; "
+            f"training loss is {loss} on rank {rank} at epoch {epoch}, micro-batch {micro_batch}; "
             "the latest checkpoint holds the last good weights"
         )
 

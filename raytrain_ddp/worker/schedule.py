@@ -11,7 +11,7 @@ from raytrain_ddp.config import TrainConfig
 STEP_DECAY_AT = (0.5, 0.75)  # fractions of the post-warm-up steps where --lr-schedule step divides by 10
 
 
-def steps_per_epoch(rows_per_rank: int, config: TrainConfig) -> int:
+def optimizer_steps_per_epoch(rows_per_rank: int, config: TrainConfig) -> int:
     """Optimizer steps one rank takes per epoch (a last partial accumulation still steps)."""
     return max(1, math.ceil(config.batches_for(rows_per_rank) / config.grad_accum))
 

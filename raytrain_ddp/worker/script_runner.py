@@ -1,30 +1,34 @@
 """`python -m raytrain_ddp.worker.script_runner SCRIPT ARGS`: run SCRIPT as `python SCRIPT ARGS` runs it.
 
 The launched worker (:mod:`.launched`) starts each rank's script through this: `runpy.run_path` runs it as
-``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python itself sets them. Two things are added, neither
-seen by the script: the process ends with its worker (a killed worker leaves no orphan blocked in a
-collective), what it saved in ``session.checkpoint_dir()`` is uploaded when it exits (with object storage), and a
-call of ``torch.distributed.init_process_group`` is noted in the session folder, so that a
-script that never joins the group is named instead of training alone on every rank.
+``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python itself sets them, and SIGINT (a Ctrl-C the driver
+passes on) as a shell gives it. Added, unseen by the script: the process ends with its worker (a killed worker
+leaves no orphan blocked in a collective), what it saved in ``session.checkpoint_dir()`` is uploaded when it
+exits (with object storage), a call of ``torch.distributed.init_process_group`` is noted in the session folder,
+so that a script that never joins the group is named instead of training alone on every rank, and so is a full
+disk it died of, which ends the run as storage, not as a rank's failure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.abc
 import importlib.util
 import os
+import pickle
 import runpy
 import signal
 import sys
 from pathlib import Path
 from types import TracebackType
 
-from raytrain_ddp.session import SESSION_ENV, upload_checkpoint
+from raytrain_ddp.session import CHECKPOINT_DIR_ENV, SESSION_ENV, upload_checkpoint
 
 PARENT_PID_ENV = "RAYTRAIN_DDP_PARENT_PID"
 PROCESS_GROUP_MARK = "process_group"  # in the session folder once the script called init_process_group
+STORAGE_FULL_NOTE = "storage_full.pickle"  # in the session folder: the StorageFull the script died of
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -67,8 +71,17 @@ class _NoteProcessGroup(importlib.abc.MetaPathFinder):
         return noted
 
 
+def _take_ctrl_c() -> None:
+    """SIGINT as `python SCRIPT` in a shell has it: Ray's processes block it (their children inherit the mask),
+    and the driver passes a Ctrl-C on as SIGINT, which the script may catch as KeyboardInterrupt to save."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main() -> None:
     _end_with_parent()
+    _take_ctrl_c()
     script, *args = sys.argv[1:]
     channel = os.environ.get(SESSION_ENV)
     if channel:
@@ -80,9 +93,26 @@ def main() -> None:
     except Exception as error:  # shown as Python shows the script's own: its frames only, exit code 1
         trimmed = error.with_traceback(_from_script(error.__traceback__, os.path.abspath(script)))
         sys.excepthook(type(error), trimmed, trimmed.__traceback__)  # torch's hook reads the error's own
+        _note_storage_full(error, channel)
         sys.exit(1)
     finally:
         upload_checkpoint()  # however it ended, what it saved is in the store (with object storage)
+
+
+def _note_storage_full(error: Exception, channel: str | None) -> None:
+    """A script that died of a full disk, a quota or a read-only mount (an OSError that says so, or its checkpoint
+    folder's file system refusing a MiB now: torch.save loses the errno) leaves a StorageFull in its session
+    folder: the run ends on it (exit 74) instead of restarting ranks that would fail the same way."""
+    folder = os.environ.get(CHECKPOINT_DIR_ENV)
+    if not channel or not folder:
+        return
+    from raytrain_ddp.errors import StorageFull, full_storage_error, refused_now
+
+    full = full_storage_error(error) or refused_now(folder)
+    if full is not None:
+        note = StorageFull.of(full, f"rank {os.environ.get('RANK', '0')}'s files", full.filename or folder)
+        with contextlib.suppress(OSError):  # its own disk full too: an ordinary failure, then
+            (Path(channel) / STORAGE_FULL_NOTE).write_bytes(pickle.dumps(note))
 
 
 def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:

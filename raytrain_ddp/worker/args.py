@@ -1,0 +1,59 @@
+"""What the driver hands every rank of the built-in loop: one picklable :class:`WorkerArgs` (Ray Train's
+`train_loop_config` carries it under one key), written by driver/fit.py and read by worker/loop.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ray import cloudpickle
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.data.spec import DataSpec
+from raytrain_ddp.plugins import add_import_roots
+from raytrain_ddp.worker.hooks import WorkerHooks
+
+LOOP_CONFIG_KEY = "worker_args"
+
+
+@dataclass(frozen=True)
+class UserCode:
+    """The user's objects a rank runs: the Python API's callables, the --task, the hooks (None: the built-in
+    model and loss, no task, hooks that do nothing)."""
+
+    model_fn: Callable | None = None
+    loss_fn: Callable | None = None
+    task: object | None = None  # a class or an object; made on each worker
+    hooks: WorkerHooks | None = None
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """The run's settings, its data's spec, the driver's monitor, and the user's code with the folders it
+    imports from.
+
+    The code travels pickled and is unpickled by `user_code()` once those folders are on the worker's path:
+    Ray Train's controller unpickles the loop's config first, where a user's module would not import.
+    """
+
+    config: TrainConfig
+    spec: DataSpec
+    monitor: Any  # the RunMonitor actor's handle (its methods are called with .remote)
+    import_roots: tuple[str, ...]
+    pickled_code: bytes
+
+    @classmethod
+    def pack(cls, config: TrainConfig, spec: DataSpec, monitor, import_roots, code: UserCode) -> WorkerArgs:
+        return cls(config, spec, monitor, tuple(import_roots), cloudpickle.dumps(code))
+
+    def to_loop_config(self) -> dict:
+        return {LOOP_CONFIG_KEY: self}
+
+    @staticmethod
+    def from_loop_config(loop_config: dict) -> WorkerArgs:
+        return loop_config[LOOP_CONFIG_KEY]
+
+    def user_code(self) -> UserCode:
+        add_import_roots(list(self.import_roots))
+        return cloudpickle.loads(self.pickled_code)
