@@ -30,9 +30,11 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from raytrain_ddp.checkpoint.layout import new_checkpoint_name
+    from raytrain_ddp.checkpoint.saver import ShardedSaver, save
+    from raytrain_ddp.checkpoint.state import Position, plain_state
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.models import TransformerLM
-    from raytrain_ddp.worker import checkpoint as ckpt
     from raytrain_ddp.worker import strategy
 
     torch.set_num_threads(1)
@@ -44,7 +46,7 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run_dir = Path(args["dir"]) / fmt
     run_dir.mkdir(parents=True, exist_ok=True)
-    saver = ckpt.ShardedSaver(run_dir, rank, report=lambda metrics, directory: None) if fmt == "sharded" else None
+    saver = ShardedSaver(run_dir, rank, report=lambda metrics, directory: None) if fmt == "sharded" else None
 
     def train(steps: int) -> None:
         for _ in range(steps):
@@ -54,7 +56,8 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
 
     train(1)
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss: KiB)
-    plain = ckpt.plain_state({"world_size": 2}, ckpt.Position(), {}, {"config": {}})
+    training_state, run_info = {"scheduler": {}, "scaler": {}, "world_size": 2}, {"config": {}, "data_spec": {}}
+    plain = plain_state(training_state, Position(), {}, run_info)
     blocked = []
     for _ in range(args["saves"]):
         dist.barrier()
@@ -66,9 +69,9 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
         else:
             model_state, optimizer_state = strategy.full_state(model, optimizer)
             if rank == 0:
-                directory = run_dir / ckpt.new_checkpoint_name()
+                directory = run_dir / new_checkpoint_name()
                 directory.mkdir()
-                ckpt.save(str(directory), model_state, optimizer_state, {}, ckpt.Position(), {}, {"config": {}})
+                save(str(directory), model_state, optimizer_state, training_state, Position(), {}, run_info)
             del model_state, optimizer_state
         blocked.append(time.perf_counter() - started)
         train(args["steps"])
@@ -96,7 +99,7 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
 
 # Each rank a fresh process (its peak RSS its own), forked from a server that imported these once: not 4-5 CPU
 # seconds of imports per rank and format
-RANK_IMPORTS = ["torch", "torch.distributed.checkpoint", "raytrain_ddp.models", "raytrain_ddp.worker.checkpoint"]
+RANK_IMPORTS = ["torch", "torch.distributed.checkpoint", "raytrain_ddp.models", "raytrain_ddp.checkpoint.saver"]
 
 
 def measure(fmt: str, args: dict) -> dict:

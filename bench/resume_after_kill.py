@@ -88,7 +88,7 @@ def _steps(clock: Path) -> list[tuple[float, int]]:
 
 def _latest_recorded(run_dir: Path) -> str | None:
     """The checkpoint Ray Train would resume from now (written and reported), by its directory's name."""
-    from raytrain_ddp.driver.run_checkpoints import read_snapshot
+    from raytrain_ddp.checkpoint.registry import read_snapshot
 
     try:
         snapshot = read_snapshot(run_dir)

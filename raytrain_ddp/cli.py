@@ -42,7 +42,7 @@ def _evaluate(argv: list[str]) -> int:
 
 
 def _checkpoint(argv: list[str]) -> int:
-    from raytrain_ddp import checkpoint
+    from raytrain_ddp.checkpoint import cli as checkpoint
 
     return checkpoint.main(argv, prog=f"{PROG} checkpoint")
 

@@ -21,6 +21,8 @@ EXIT_STORAGE_FULL = 74  # EX_IOERR: the run's storage is full, over quota, read-
 READ_ONLY = "read-only file system"
 # the start of StorageFull's reason for an object store that failed past its retry budget (raytrain_ddp.storage)
 STORE_FAILED = "the object store failed"
+# the start of StorageFull's reason for a write that added nothing for the retry budget (a sharded checkpoint's)
+STALLED = "nothing written"
 STORAGE_FULL_ERRNOS = {
     errno.ENOSPC: "no space left on device",
     errno.EDQUOT: "disk quota exceeded",
@@ -140,6 +142,12 @@ class StorageFull(Exception):
         return cls(what, str(path), f"{STORE_FAILED} ({one_line(error)})")
 
     @classmethod
+    def stalled(cls, what: str, path: object, waited_s: float) -> StorageFull:
+        """A write of `what` to `path` that added no byte for `waited_s` seconds (the storage retry budget): a hung
+        mount or a store that stopped answering, reported rather than waited on for ever."""
+        return cls(what, str(path), f"{STALLED} for {waited_s:g} s")
+
+    @classmethod
     def of(cls, error: OSError, what: str, path: str | os.PathLike | object) -> StorageFull:
         """`error` (a full-storage OSError) as met writing `what` into `path` (a local path or a RemotePath)."""
         usage = _disk_usage(path)
@@ -162,6 +170,8 @@ def _state_and_remedy(reason: str) -> tuple[str, str]:
         return "storage read-only", "make it writable"
     if reason.startswith(STORE_FAILED):
         return "storage failed", "bring the store back (or fix its access)"
+    if reason.startswith(STALLED):
+        return "storage stalled", "bring the storage back (RAYTRAIN_STORAGE_RETRY_S: how long a write may stall)"
     return "storage full", "free space"
 
 

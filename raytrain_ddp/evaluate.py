@@ -16,14 +16,16 @@ import sys
 
 import torch
 
+from raytrain_ddp.checkpoint.consolidate import load_model_weights
+from raytrain_ddp.checkpoint.layout import CHECKPOINT_FILE, is_sharded
+from raytrain_ddp.checkpoint.state import resume_point
+from raytrain_ddp.checkpoint.verify import read_verified
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.spec import DataSpec, read_split_rows, to_model_inputs
-from raytrain_ddp.driver.run_checkpoints import read_verified
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input, plural
 from raytrain_ddp.models import build_model
 from raytrain_ddp.storage import location
 from raytrain_ddp.worker import strategy
-from raytrain_ddp.worker.checkpoint import CHECKPOINT_FILE, is_sharded, load_model_weights, resume_point
 from raytrain_ddp.worker.loop import make_loss_fn
 from raytrain_ddp.worker.metrics import evaluate
 

@@ -44,9 +44,9 @@ exit codes:
   1    training failed (the error per rank is in the log and RUN_DIR/summary.json), or another
        driver took the run directory over (this one hung past the lock's stale limit)
   2    bad input or a request the cluster cannot hold (nothing was started)
-  74   the run's storage is full, over its quota or read-only, or its object store failed past the retry
-       budget (EX_IOERR): the latest whole checkpoint is kept; free space (or make it writable, or bring the
-       store back) and run the same command again to resume
+  74   the run's storage is full, over its quota or read-only, or its object store failed (or a sharded
+       checkpoint's write stalled) past the retry budget (EX_IOERR): the latest whole checkpoint is kept;
+       free space (or make it writable, or bring the storage back) and run the same command again to resume
   75   stopped early on SIGUSR1/SIGTERM after a checkpoint (EX_TEMPFAIL):
        run the same command again to resume
   130  interrupted (Ctrl-C)

@@ -23,9 +23,11 @@ def _rank(rank: int, world: int, store: str, run_dir: str, load_from: str | None
     rank zero writes the full state (gathered) it saved or loaded, and what was reported."""
     import torch.distributed as dist
 
+    from raytrain_ddp.checkpoint.layout import SHARDS_DIR
+    from raytrain_ddp.checkpoint.saver import ShardedSaver
+    from raytrain_ddp.checkpoint.state import Position, plain_state
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.models import TransformerLM
-    from raytrain_ddp.worker import checkpoint as ckpt
     from raytrain_ddp.worker import strategy
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -34,7 +36,7 @@ def _rank(rank: int, world: int, store: str, run_dir: str, load_from: str | None
     model, _ = strategy.distribute(TransformerLM(VOCAB, LENGTH, dim=32, depth=2), config, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     reported: list[str] = []
-    saver = ckpt.ShardedSaver(run_dir, rank, report=lambda metrics, directory: reported.append(str(directory)))
+    saver = ShardedSaver(run_dir, rank, report=lambda metrics, directory: reported.append(str(directory)))
 
     def step() -> None:
         model(torch.randint(0, VOCAB, (4, LENGTH), generator=torch.Generator().manual_seed(rank))).mean().backward()
@@ -42,16 +44,14 @@ def _rank(rank: int, world: int, store: str, run_dir: str, load_from: str | None
         optimizer.zero_grad()
 
     if load_from:
-        strategy.load_sharded_state(model, optimizer, str(Path(load_from) / ckpt.SHARDS_DIR), saver.group)
+        strategy.load_sharded_state(model, optimizer, str(Path(load_from) / SHARDS_DIR), saver.group)
         full = strategy.full_state(model, optimizer)
     else:
         step(), step()
         full = copy.deepcopy(strategy.full_state(model, optimizer))  # its CPU tensors (AdamW's step) are live
         spec = {"kind": "tokens", "input_shape": [LENGTH], "num_classes": VOCAB, "train_rows": 64, "val_rows": 16}
         run_info = {"config": config.to_dict(), "data_spec": spec}
-        plain = ckpt.plain_state(
-            {"scheduler": {}, "scaler": {}, "world_size": world}, ckpt.Position(1, 0, 2), {}, run_info
-        )
+        plain = plain_state({"scheduler": {}, "scaler": {}, "world_size": world}, Position(1, 0, 2), {}, run_info)
         saver.save(*strategy.sharded_state(model, optimizer), plain, {"epoch": 1})
         step()  # training goes on while the shards are written
         assert not reported  # counted only once written everywhere
@@ -104,7 +104,7 @@ def damaged(sharded, tmp_path) -> Path:
 
 
 def test_each_rank_writes_its_own_shard_and_nothing_is_gathered_on_one(sharded):
-    from raytrain_ddp.driver.run_checkpoints import read_verified
+    from raytrain_ddp.checkpoint.verify import read_verified
 
     checkpoint, _ = sharded
     assert sorted(path.name for path in (checkpoint / "shards").iterdir()) == [
@@ -119,7 +119,7 @@ def test_each_rank_writes_its_own_shard_and_nothing_is_gathered_on_one(sharded):
 
 def test_a_model_of_other_shapes_is_refused_in_one_line_from_the_index_alone(sharded):
     """The checkpoint's tensors are read from DCP's index: nothing is loaded to refuse it."""
-    from raytrain_ddp.driver.run_checkpoints import check_fits_model, read_verified
+    from raytrain_ddp.checkpoint.verify import check_fits_model, read_verified
     from raytrain_ddp.errors import ConfigError
     from raytrain_ddp.models import TransformerLM
 
@@ -145,7 +145,7 @@ def test_one_process_loads_two_ranks_shards_to_the_same_weights_and_moments(shar
 
 
 def test_consolidate_writes_one_full_checkpoint_a_plain_torch_load_reads(sharded, tmp_path):
-    from raytrain_ddp.driver.run_checkpoints import read_verified
+    from raytrain_ddp.checkpoint.verify import read_verified
 
     checkpoint, saved = sharded
     done = run_cli("raytrain_ddp.checkpoint", "consolidate", str(checkpoint), str(tmp_path / "full"))
@@ -193,8 +193,8 @@ def test_resume_from_a_sharded_checkpoint_of_another_model_is_refused_in_one_lin
 def test_a_truncated_shard_is_named_and_consolidate_writes_nothing(damaged, tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from raytrain_ddp.driver.run_checkpoints import read_verified
-    from raytrain_ddp.worker.checkpoint import consolidate
+    from raytrain_ddp.checkpoint.consolidate import consolidate
+    from raytrain_ddp.checkpoint.verify import read_verified
 
     assert "shard shards/__1_0.distcp is truncated" in read_verified(damaged)[1]
     refused = run_cli("raytrain_ddp.checkpoint", "consolidate", str(damaged), str(tmp_path / "y"))
@@ -214,7 +214,7 @@ def test_resume_from_and_evaluate_refuse_a_truncated_shard_in_one_line(damaged, 
 
 
 def test_a_missing_shard_and_an_index_that_does_not_load_are_named(damaged):
-    from raytrain_ddp.driver.run_checkpoints import read_verified
+    from raytrain_ddp.checkpoint.verify import read_verified
 
     (damaged / "shards" / "__1_0.distcp").unlink()
     assert read_verified(damaged)[1] == "shard shards/__1_0.distcp is missing"
@@ -228,15 +228,16 @@ def test_waiting_for_a_sharded_write_tells_the_bytes_written(tmp_path):
     still. The write here is a thread filling a real shard file, 1 MiB every 0.3 s, then the future's result."""
     from support import one_process_group
 
+    from raytrain_ddp.checkpoint.layout import SHARDS_DIR
+    from raytrain_ddp.checkpoint.saver import ShardedSaver, _Pending
     from raytrain_ddp.driver.liveness import describe_phase
-    from raytrain_ddp.worker import checkpoint as ckpt
 
     directory = tmp_path / "checkpoint_2026-12-02_10-00-00.000000"
-    (directory / ckpt.SHARDS_DIR).mkdir(parents=True)
+    (directory / SHARDS_DIR).mkdir(parents=True)
     written: Future = Future()
 
     def write() -> None:
-        with open(directory / ckpt.SHARDS_DIR / "__0_0.distcp", "wb") as shard:
+        with open(directory / SHARDS_DIR / "__0_0.distcp", "wb") as shard:
             for _ in range(8):
                 shard.write(b"\0" * 2**20)
                 shard.flush()
@@ -245,9 +246,9 @@ def test_waiting_for_a_sharded_write_tells_the_bytes_written(tmp_path):
 
     reported, told = [], []
     with one_process_group():
-        saver = ckpt.ShardedSaver(tmp_path, 0, report=lambda metrics, where: reported.append(where))
+        saver = ShardedSaver(tmp_path, 0, report=lambda metrics, where: reported.append(where))
         saver.progress = told.append
-        saver.pending = ckpt._Pending(written, directory, {"epoch": 1}, "the checkpoint of epoch 1")
+        saver.pending = _Pending(written, directory, {"epoch": 1}, "the checkpoint of epoch 1")
         threading.Thread(target=write, daemon=True).start()
         saver.flush()
     assert reported == [directory] and not saver.in_flight

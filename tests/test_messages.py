@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from raytrain_ddp.driver.run_checkpoints import describe
+from raytrain_ddp.checkpoint.state import Position, describe
 from raytrain_ddp.errors import named, plural
-from raytrain_ddp.worker.checkpoint import Position
 
 
 def test_a_count_agrees_with_its_noun():

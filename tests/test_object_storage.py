@@ -313,8 +313,8 @@ def test_fsdp_checkpoints_are_each_ranks_shards_in_one_bucket_folder_none_gather
 def test_one_process_scores_the_shards_in_the_bucket_and_their_consolidated_file_alike(fsdp_run, tmp_path):
     import torch
 
+    from raytrain_ddp.checkpoint.consolidate import consolidate
     from raytrain_ddp.evaluate import evaluate_checkpoint
-    from raytrain_ddp.worker.checkpoint import consolidate
 
     summary, last = json.loads(fsdp_run.read("summary.json")), fsdp_run.records("metrics.jsonl")[-1]
     with warnings.catch_warnings(record=True) as warned:

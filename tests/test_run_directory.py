@@ -229,19 +229,20 @@ def test_a_metrics_file_cut_short_keeps_its_whole_lines(tmp_path, caplog):
 
 
 def test_a_checkpoint_snapshot_cut_short_is_one_line(tmp_path):
-    from raytrain_ddp.driver import run_checkpoints
+    from raytrain_ddp.checkpoint.registry import read_snapshot
 
     (tmp_path / "checkpoint_manager_snapshot.json").write_text('{"checkpoint_results": [')
     with pytest.raises(ConfigError, match="checkpoint_manager_snapshot.json is unreadable"):
-        run_checkpoints.read_snapshot(tmp_path)
+        read_snapshot(tmp_path)
 
 
 def test_checkpoints_ray_train_never_recorded_are_removed_when_unfinished_and_named_when_whole(tmp_path, caplog):
     """A run that ended while a checkpoint was written leaves a directory Ray Train's snapshot does not list (and
     its retention never deletes): when the run starts again, an unfinished one is removed, a whole one kept."""
     from raytrain_ddp import _ray_compat
-    from raytrain_ddp.driver import run_checkpoints
-    from raytrain_ddp.worker import checkpoint as ckpt
+    from raytrain_ddp.checkpoint.registry import clear_unrecorded
+    from raytrain_ddp.checkpoint.saver import save
+    from raytrain_ddp.checkpoint.state import Position
 
     config = _config(tmp_path)
     run_info = {"config": config.to_dict(), "data_spec": {"kind": "images"}}
@@ -249,7 +250,7 @@ def test_checkpoints_ray_train_never_recorded_are_removed_when_unfinished_and_na
     def whole(name: str) -> Path:
         (tmp_path / name).mkdir()
         training_state = {"scheduler": {}, "scaler": {}, "world_size": 1}
-        ckpt.save(str(tmp_path / name), {}, {}, training_state, ckpt.Position(1, 0, 4), {}, run_info)
+        save(str(tmp_path / name), {}, {}, training_state, Position(1, 0, 4), {}, run_info)
         return tmp_path / name
 
     recorded, unreported = whole("checkpoint_2026-12-01_10-00-00.000000"), whole("checkpoint_2026-12-01_11-00-00.0")
@@ -260,7 +261,7 @@ def test_checkpoints_ray_train_never_recorded_are_removed_when_unfinished_and_na
     torch.save({"format": "sharded"}, unfinished / "training_state.pt")
     (tmp_path / "checkpoint_notes.txt").write_text("a user's file, not a checkpoint directory")
     with caplog.at_level(logging.WARNING, logger="raytrain_ddp"):
-        run_checkpoints.clear_unrecorded(tmp_path, _ray_compat.read_snapshot(tmp_path))
+        clear_unrecorded(tmp_path, _ray_compat.read_snapshot(tmp_path))
     assert recorded.exists() and unreported.exists() and not unfinished.exists()
     assert (tmp_path / "checkpoint_notes.txt").exists()
     assert f"Removed unfinished checkpoint {unfinished} (" in caplog.text
@@ -336,14 +337,16 @@ def test_config_toml_report_and_logs_hold_no_credentials(tmp_path, caplog):
 
 def test_a_checkpoint_holds_no_credentials(tmp_path):
     """The config inside checkpoint.pt (and a sharded checkpoint's training_state.pt) is masked as config.toml is."""
-    from raytrain_ddp.worker import checkpoint as ckpt
+    from raytrain_ddp.checkpoint.layout import CHECKPOINT_FILE, load_file
+    from raytrain_ddp.checkpoint.saver import save
+    from raytrain_ddp.checkpoint.state import Position
 
     config = _config(tmp_path, mlflow_uri=SECRET_URI, data="s3://AKIAXYZ:wJalrXUtnFEMI@bucket/ds")
     run_info = {"config": config.to_dict(), "data_spec": {"kind": "images"}}
-    ckpt.save(str(tmp_path), {}, {}, {"world_size": 1}, ckpt.Position(1, 0, 4), {}, run_info)
-    written = (tmp_path / ckpt.CHECKPOINT_FILE).read_bytes()
+    save(str(tmp_path), {}, {}, {"scheduler": {}, "scaler": {}, "world_size": 1}, Position(1, 0, 4), {}, run_info)
+    written = (tmp_path / CHECKPOINT_FILE).read_bytes()
     assert b"s3cr3t" not in written and b"t0k3n" not in written and b"wJalrXUtnFEMI" not in written
-    state = ckpt.load_file(tmp_path)
+    state = load_file(tmp_path)
     assert state["config"]["data"] == "s3://***@bucket/ds" and state["config"]["epochs"] == 2
     assert run_info["config"]["data"] == config.data  # the run's own config is left as it is
 

@@ -206,13 +206,13 @@ def test_a_sharded_checkpoint_on_a_full_disk_raises_storage_full_naming_it(tmp_p
     rank's flush raises StorageFull naming the checkpoint, and nothing is reported to Ray Train."""
     from support import one_process_group
 
+    from raytrain_ddp.checkpoint.saver import ShardedSaver
     from raytrain_ddp.errors import StorageFull
-    from raytrain_ddp.worker import checkpoint as ckpt
 
     model = torch.nn.Linear(512, 512)  # 1 MiB of weights
     reported: list = []
     with small_disk(tmp_path / "small", "1m") as disk, one_process_group():
-        saver = ckpt.ShardedSaver(disk, 0, report=lambda metrics, where: reported.append(where))
+        saver = ShardedSaver(disk, 0, report=lambda metrics, where: reported.append(where))
         fill(disk, BYTES_LEFT)
         plain = {"epoch": 1, "step_in_epoch": 3, "global_step": 11}
         saver.save(model.state_dict(), {}, plain, {"epoch": 1})
@@ -221,6 +221,53 @@ def test_a_sharded_checkpoint_on_a_full_disk_raises_storage_full_naming_it(tmp_p
     assert str(raised.value).startswith(
         f"storage full: no space left on device writing the checkpoint of epoch 2 at step 3 to {disk} ("
     )
+    assert not reported and not saver.in_flight
+
+
+def test_a_sharded_write_that_adds_nothing_for_the_retry_budget_ends_in_one_line_not_a_wait_for_ever(
+    tmp_path, monkeypatch
+):
+    """DCP's background write blocked for good (its shard file a FIFO no one reads: the writer's open never
+    returns, as on a hung mount): after RAYTRAIN_STORAGE_RETRY_S with nothing written the rank's flush raises
+    StorageFull naming the checkpoint (the run ends, exit 74), and nothing is reported to Ray Train."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+    from support import one_process_group
+
+    from raytrain_ddp.checkpoint.layout import SHARDS_DIR
+    from raytrain_ddp.checkpoint.saver import ShardedSaver, _Pending
+    from raytrain_ddp.errors import StorageFull
+
+    monkeypatch.setenv("RAYTRAIN_STORAGE_RETRY_S", "1")
+    directory = tmp_path / "checkpoint_2026-12-05_19-00-00.000000"
+    (directory / SHARDS_DIR).mkdir(parents=True)
+    os.mkfifo(blocked := directory / SHARDS_DIR / "__0_0.distcp")
+    reported, ended = [], []
+    with one_process_group():
+        saver = ShardedSaver(tmp_path, 0, report=lambda metrics, where: reported.append(where))
+        shards = str(directory / SHARDS_DIR)
+        written = dcp.async_save({"model": torch.nn.Linear(4, 4).state_dict()}, checkpoint_id=shards)
+        saver.pending = _Pending(written, directory, {"epoch": 1}, "the checkpoint of epoch 1")
+
+        def flush() -> None:
+            try:
+                saver.flush()
+                ended.append("flushed")
+            except StorageFull as err:
+                ended.append(err)
+
+        waiter = threading.Thread(target=flush, daemon=True)
+        waiter.start()
+        waiter.join(timeout=30)  # a guard, not a timing: what is checked is how the wait ended
+        with open(blocked, "rb") as reader:  # the write goes on now: DCP's thread ends, the test's process too
+            reader.read()
+        written.exception()
+        waiter.join()
+    assert [str(end) for end in ended] == [
+        f"storage stalled: nothing written for 1 s writing the checkpoint of epoch 1 to {directory}; bring the "
+        "storage back (RAYTRAIN_STORAGE_RETRY_S: how long a write may stall) and run the same command again to resume"
+    ]
     assert not reported and not saver.in_flight
 
 

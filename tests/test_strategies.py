@@ -81,7 +81,7 @@ def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step_and_a_comp
     """2 micro-batches of 32 == 1 batch of 64, to float tolerance; one gradient all-reduce per optimizer step.
     The batch-of-64 run is compiled (torch.compile under DDP): it trains to the same weights."""
     from raytrain_ddp import fit
-    from raytrain_ddp.worker.checkpoint import load_file
+    from raytrain_ddp.checkpoint.layout import load_file
 
     common = dict(model="mlp", dataset="synthetic-tabular", train_size=1024, val_size=256, lr=0.05)
     accumulated = fit(_config(tmp_path, "accum", batch_size=32, grad_accum=2, **common))

@@ -21,14 +21,18 @@ from pathlib import Path
 
 import ray
 import ray.data
-from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train import FailureConfig, Result, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ddp import _ray_compat
+from raytrain_ddp.checkpoint import ranking, registry
+from raytrain_ddp.checkpoint.layout import entry_point
+from raytrain_ddp.checkpoint.state import describe as describe_checkpoint
+from raytrain_ddp.checkpoint.verify import check_fits_model
 from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets
 from raytrain_ddp.data.spec import DataPlan, DataSpec, plan_data, plugin_plan
-from raytrain_ddp.driver import dashboard, preflight, run_checkpoints, run_directory, run_lock, tracker
+from raytrain_ddp.driver import dashboard, preflight, run_directory, run_lock, tracker
 from raytrain_ddp.driver.console import finished_text
 from raytrain_ddp.driver.failures import RetryRuleTorchTrainer, describe_failure, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
@@ -46,7 +50,6 @@ from raytrain_ddp.report import write_report
 from raytrain_ddp.storage import RETRY_BUDGET_ENV, RemotePath, RunPath, Spool, stored, uri_of
 from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.args import UserCode, WorkerArgs
-from raytrain_ddp.worker.checkpoint import entry_point
 from raytrain_ddp.worker.hooks import WorkerHooks, chosen_hooks
 from raytrain_ddp.worker.loop import train_loop_per_worker
 from raytrain_ddp.worker.profile import PROFILE_DIR
@@ -275,7 +278,6 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
     # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
-    metric, mode = config.checkpoint_ranking(work.data_kind)  # mid-epoch checkpoints score the worst (worker/loop.py)
     train_loop, loop_config, datasets, dataset_config = work.trainer_parts(config, monitor)
     return RetryRuleTorchTrainer(
         train_loop,
@@ -286,9 +288,7 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
         run_config=RunConfig(
             name=config.name,
             storage_path=config.storage_path,
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=config.num_to_keep, checkpoint_score_attribute=metric, checkpoint_score_order=mode
-            ),
+            checkpoint_config=ranking.retention(config, work.data_kind),
             failure_config=FailureConfig(max_failures=config.max_failures, controller_failure_limit=placement_tries),
         ),
         torch_config=TorchConfig(timeout_s=config.collective_timeout_s),
@@ -351,7 +351,7 @@ def _check_plan(config: TrainConfig, plan: DataPlan, model_fn) -> tuple[dict | N
             f"{config.num_workers}: every worker needs at least one"
         )
     shapes = model_shapes(config, plan, model_fn)
-    return (run_checkpoints.check_resume_from(config, plan.spec, shapes) if config.resume_from else None), shapes
+    return (registry.check_resume_from(config, plan.spec, shapes) if config.resume_from else None), shapes
 
 
 def fit(
@@ -517,22 +517,22 @@ def _choose_start(
 ) -> None:
     """A run with checkpoints of its own continues from its newest good one (of this model); else
     --resume-from's."""
-    snapshot = run_checkpoints.read_snapshot(run_dir)  # None: no checkpoints of its own
-    run_checkpoints.clear_unrecorded(run_dir, snapshot)
+    snapshot = registry.read_snapshot(run_dir)  # None: no checkpoints of its own
+    registry.clear_unrecorded(run_dir, snapshot)
     if snapshot is not None:
-        latest = run_checkpoints.set_aside_corrupt_latest(run_dir, snapshot)
+        latest = registry.set_aside_corrupt_latest(run_dir, snapshot)
         if latest:
-            run_checkpoints.check_fits_model(
+            check_fits_model(
                 *latest,
                 shapes,
                 f"run {config.name!r}'s latest checkpoint {latest[0]}",
                 "build the model it was trained with, or choose another --name",
             )
-            log.info("Resuming from checkpoint %s", run_checkpoints.describe(*latest))
+            log.info("Resuming from checkpoint %s", describe_checkpoint(*latest))
         if start_state is not None:
             log.info("Run %s has checkpoints of its own: continuing from them, not from --resume-from", config.name)
     elif start_state is not None:
-        run_checkpoints.seed_new_run(config, start_state)
+        registry.seed_new_run(config, start_state)
 
 
 @dataclass
@@ -733,8 +733,8 @@ def _after_storage_full(run_dir: RunPath, recorder: RunRecorder) -> None:
     """A run a full disk ended (or left records unwritten): the checkpoint cut short removed (a resume takes the
     latest whole one, and its space is free again), then what the driver could not write tried once more."""
     try:
-        snapshot = run_checkpoints.read_snapshot(run_dir)
-        run_checkpoints.clear_unrecorded(run_dir, snapshot, cut_by="the storage refused the rest of it")
+        snapshot = registry.read_snapshot(run_dir)
+        registry.clear_unrecorded(run_dir, snapshot, cut_by="the storage refused the rest of it")
     except (ConfigError, OSError) as err:  # the next start tries again
         log.warning("Unfinished checkpoints not cleared yet: %s", one_line(err))
     recorder.flush_files()
@@ -834,11 +834,9 @@ def _summary(
     epochs = [recorder.epochs[e] for e in sorted(recorder.epochs)]
     best_checkpoint, best_metrics = None, None
     metric, mode = config.checkpoint_ranking(work.data_kind)
-    # a checkpoint taken mid-epoch (a stop request, --checkpoint-every-*) has no validation score: +-inf
     pairs = result.best_checkpoints if result is not None else []
-    scored = [pair for pair in pairs if math.isfinite(pair[1].get(metric, math.inf))]
-    if scored:
-        checkpoint, best_metrics = (max if mode == "max" else min)(scored, key=lambda pair: pair[1][metric])
+    if best := ranking.best(pairs, metric, mode):
+        checkpoint, best_metrics = best
         best_checkpoint = _entry_uri(config, checkpoint.path)
     checksums = [recorder.checksums.get(rank) for rank in range(recorder.world_size)]
     if error and recorder.hangs:

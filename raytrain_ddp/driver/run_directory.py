@@ -15,8 +15,8 @@ import logging
 import os
 import tomllib
 
+from raytrain_ddp.checkpoint import registry
 from raytrain_ddp.config import TrainConfig, to_toml
-from raytrain_ddp.driver import run_checkpoints
 from raytrain_ddp.errors import ConfigError, one_line, plural
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.redact import redact
@@ -75,7 +75,7 @@ def _check_same_work(config: TrainConfig, run_dir: RunPath) -> None:
     try:
         saved = tomllib.loads(path.read_text())
     except (OSError, ValueError) as err:
-        if run_checkpoints.has_own_checkpoints(run_dir):
+        if registry.has_own_checkpoints(run_dir):
             raise ConfigError(
                 f"{path} is unreadable ({one_line(err)}): cannot tell whether run {config.name!r}'s "
                 "checkpoints fit these settings; restore or delete that file, or choose another --name"

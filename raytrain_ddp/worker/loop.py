@@ -13,6 +13,7 @@ without stopping.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import logging
@@ -30,7 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp import _ray_compat, storage
+from raytrain_ddp import storage
+from raytrain_ddp.checkpoint import ranking
+from raytrain_ddp.checkpoint import saver as ckpt
+from raytrain_ddp.checkpoint.state import Position, plain_state, position_of
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.pipeline import rank_inputs
 from raytrain_ddp.data.spec import DataSpec
@@ -38,7 +42,6 @@ from raytrain_ddp.errors import plural, storage_full_as
 from raytrain_ddp.files import write_atomic
 from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import load_object, make_loss, make_task
-from raytrain_ddp.worker import checkpoint as ckpt
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.args import UserCode, WorkerArgs
 from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
@@ -177,20 +180,16 @@ class RankTrainer:
             None if code.task is None else make_task(code.task, config, repr(config.task))
         )  # --task: the user's step
         self.grad_norm: torch.Tensor | None = None  # the last optimizer step's, when computed
-        sharded = config.checkpoint_format == "sharded"
-        self.sharded_saver = ckpt.ShardedSaver(config.run_dir, dist.get_rank()) if sharded else None
+        sharded, rank = config.checkpoint_format == "sharded", dist.get_rank()
+        self.saver = ckpt.ShardedSaver(config.run_dir, rank) if sharded else ckpt.FullSaver(config, rank)
 
-    def restore(self, state: dict, resizable: bool) -> ckpt.Position:
+    def restore(self, state: dict, resizable: bool) -> Position:
         """Load a checkpoint; where it was taken mid-epoch at another world size, the epoch goes on with the
         rows not yet trained when `resizable` (the pipeline's own shards), else it starts over."""
-        if "shards" in state:  # a sharded checkpoint, from any world size
-            group = self.sharded_saver.group if self.sharded_saver else None
-            strategy.load_sharded_state(self.model, self.optimizer, state["shards"], group)
-        else:
-            strategy.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        self.saver.load(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        position = ckpt.position_of(state)
+        position = position_of(state)
         saved_world_size = state.get("world_size", self.world_size)
         if saved_world_size == self.world_size:
             return position
@@ -251,11 +250,9 @@ class RankTrainer:
         self.scheduler.step()
         return not skipped
 
-    def checkpoint(
-        self, position: ckpt.Position, metrics: dict, run_info: dict, rank: int, stage: Callable[[int], None]
-    ) -> None:
-        """Full format: every rank gathers (FSDP shards meet on rank zero); rank zero writes; every rank
-        reports. Sharded: every rank stages its own shards and writes them in the background
+    def checkpoint(self, position: Position, metrics: dict, run_info: dict, stage: Callable[[int], None]) -> None:
+        """The run's saver's checkpoint. Full format: every rank gathers (FSDP shards meet on rank zero); rank zero
+        writes; every rank reports. Sharded: every rank stages its own shards and writes them in the background
         (ckpt.ShardedSaver, which reports the previous checkpoint first when it is still pending).
 
         `stage(i)` is told each stage reached, an index into CHECKPOINT_STAGES (gathering first).
@@ -265,27 +262,11 @@ class RankTrainer:
             "scaler": self.scaler.state_dict(),
             "world_size": self.world_size,
         }
-        if self.sharded_saver is not None:
-            model_state, optimizer_state = strategy.sharded_state(self.model, self.optimizer)
-            stage(CHECKPOINT_STAGES.index("saving"))
-            plain = ckpt.plain_state(training_state, position, metrics, run_info)
-            self.sharded_saver.save(model_state, optimizer_state, plain, metrics)
-            return
-        model_state, optimizer_state = strategy.full_state(self.model, self.optimizer)
+        model_state, optimizer_state = self.saver.state_of(self.model, self.optimizer)
         stage(CHECKPOINT_STAGES.index("saving"))
-        if rank == 0:
-            what = ckpt.described(position)
-            with ckpt.scratch_dir() as directory:
-                with storage_full_as(what, directory):
-                    checkpoint = ckpt.save(
-                        directory, model_state, optimizer_state, training_state, position, metrics, run_info
-                    )
-                stage(CHECKPOINT_STAGES.index("reporting"))
-                with storage_full_as(what, self.config.run_dir):  # Ray Train copies it into the run directory
-                    _ray_compat.report_checkpoint(metrics, checkpoint, what, self.config.run_dir)
-        else:
-            stage(CHECKPOINT_STAGES.index("reporting"))
-            ray.train.report(metrics, checkpoint=None)
+        plain = plain_state(training_state, position, metrics, run_info)
+        reporting = functools.partial(stage, CHECKPOINT_STAGES.index("reporting"))
+        self.saver.save(model_state, optimizer_state, plain, metrics, reporting)
 
     @property
     def lr(self) -> float:
@@ -323,17 +304,16 @@ class WorkerLoop:
         if config.compile:
             self.heartbeat.follow_compiles()
         self.trainer = RankTrainer(config, self.spec, device, code, world_size)
-        if self.trainer.sharded_saver is not None:
-            self.trainer.sharded_saver.progress = self.heartbeat.writing_checkpoint
+        self.trainer.saver.progress = self.heartbeat.writing_checkpoint
         self.feed = DeviceFeed(self.spec, device)
         # the run directory only when profiling: on object storage, opening it would cost a lookup on each worker
         run_dir = config.run_dir if config.profile_window else None
         self.profile = StepProfile(config.profile_window, run_dir, self.rank, device)
         self.train_input, self.val_input = rank_inputs()
-        self.position = ckpt.Position()
+        self.position = Position()
         self.last_checkpoint_at = time.monotonic()  # for --checkpoint-every-minutes
 
-    def resume(self) -> ckpt.Position:
+    def resume(self) -> Position:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
             with ckpt.loaded(resume_from) as state:
@@ -398,8 +378,8 @@ class WorkerLoop:
         take a timed checkpoint; every --checkpoint-every-steps steps, an interval checkpoint."""
         step, checkpoint_due = self.position.global_step, False
         if step % STOP_CHECK_EVERY == 0:
-            saver = self.trainer.sharded_saver
-            writing = saver is not None and saver.in_flight  # the same on every rank
+            saver = self.trainer.saver
+            writing = saver.in_flight  # the same on every rank
             stop, checkpoint_due, unfinished = all_ranks_agree(
                 (self.heartbeat.stop_reason is not None, self.minutes_due(), writing and not saver.done_here()),
                 self.device,
@@ -440,16 +420,14 @@ class WorkerLoop:
     def mid_epoch_checkpoint(self, epoch: int, run: EpochRun, why: dict) -> None:
         """A checkpoint after `run.optimizer_steps` steps of `epoch`, which a restart resumes from exactly.
 
-        It has no validation score: ranked below every epoch's, it never evicts a best checkpoint and is
-        kept only while it is the latest."""
+        It has no validation score: it records the worst (checkpoint/ranking.py says what follows)."""
         self.heartbeat.at("checkpointing", epoch, run.meter)
-        at = ckpt.Position(epoch - 1, run.optimizer_steps, self.position.global_step, self.position.earlier_parts)
+        at = Position(epoch - 1, run.optimizer_steps, self.position.global_step, self.position.earlier_parts)
         if self.rank == 0 and "interval" in why:
             log.info("checkpoint at epoch %d, optimizer step %d", epoch, run.optimizer_steps)
-        metric, mode = self.config.checkpoint_ranking(self.spec.kind)
-        worst = {metric: float("-inf") if mode == "max" else float("inf")}
-        metrics = {"epoch": epoch - 1, "step_in_epoch": run.optimizer_steps, **worst, **why}
-        self.trainer.checkpoint(at, metrics, self.run_info, self.rank, self.heartbeat.advance)
+        unscored = ranking.unscored(*self.config.checkpoint_ranking(self.spec.kind))
+        metrics = {"epoch": epoch - 1, "step_in_epoch": run.optimizer_steps, **unscored, **why}
+        self.trainer.checkpoint(at, metrics, self.run_info, self.heartbeat.advance)
         self.last_checkpoint_at = time.monotonic()
 
     def validate(self, epoch: int, run: EpochRun) -> dict:
@@ -523,17 +501,15 @@ class WorkerLoop:
         """Rank zero alone writes the checkpoint; every rank reports, so Ray Train sees the whole group finish
         the epoch and keeps the best one."""
         self.heartbeat.at("checkpointing", epoch, run.meter)
-        self.position = ckpt.Position(epoch, 0, self.position.global_step)
-        self.trainer.checkpoint(
-            self.position, {"epoch": epoch, **val_metrics}, self.run_info, self.rank, self.heartbeat.advance
-        )
+        self.position = Position(epoch, 0, self.position.global_step)
+        self.trainer.checkpoint(self.position, {"epoch": epoch, **val_metrics}, self.run_info, self.heartbeat.advance)
         self.last_checkpoint_at = time.monotonic()
 
     def finish(self) -> None:
         ray.get(self.monitor.worker_finished.remote(self.rank, parameter_checksum(strategy.unwrap(self.trainer.model))))
 
 
-def train_epochs(worker: WorkerLoop, position: ckpt.Position) -> bool:
+def train_epochs(worker: WorkerLoop, position: Position) -> bool:
     """The epochs left; False when the run stopped early (with its checkpoint)."""
     for epoch in range(position.epoch + 1, worker.config.epochs + 1):  # epochs count from 1
         run = worker.train_epoch(epoch)
@@ -556,7 +532,6 @@ def train_loop_per_worker(loop_config: dict) -> None:
     position = worker.resume()
     with worker.profile:  # a --profile-steps window the run ends inside is written on the way out
         completed = train_epochs(worker, position)
-    if worker.trainer.sharded_saver is not None:
-        worker.trainer.sharded_saver.flush()  # the run's last checkpoint, written and counted before it ends
+    worker.trainer.saver.flush()  # the run's last checkpoint (a sharded one), written and counted before it ends
     if completed:
         worker.finish()

@@ -9,7 +9,7 @@ code runs on CPU with gloo and on GPUs with NCCL (Ray Train's own FSDP option
 refuses CPU training, so it is not used). FSDP shards each unit on the host and
 moves only the shard to the device, so the whole model never sits on one GPU.
 
-Checkpoints (raytrain_ddp/worker/checkpoint.py) hold either a full state dict,
+Checkpoints (raytrain_ddp/checkpoint/saver.py) hold either a full state dict,
 gathered on rank zero (``full_state``), or each rank's own shards, written by
 ``torch.distributed.checkpoint`` (``sharded_state``; with DDP, whose
 parameters are replicated, DCP has rank zero write each tensor once). Either

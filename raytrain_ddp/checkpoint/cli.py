@@ -1,6 +1,6 @@
 """`python -m raytrain_ddp.checkpoint consolidate CHECKPOINT OUT`: a sharded checkpoint as one full file.
 
-Writes the full format (raytrain_ddp/worker/checkpoint.py), on one process, without Ray: OUT itself when
+Writes the full format (raytrain_ddp/checkpoint/saver.py), on one process, without Ray: OUT itself when
 it ends in .pt or .pth (what a plain ``torch.load(..., weights_only=True)`` reads), else the new directory
 OUT holding OUT/checkpoint.pt (what `evaluate` and `--resume-from` read too). OUT must not exist: nothing
 is overwritten.
@@ -12,10 +12,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from raytrain_ddp.driver.run_checkpoints import read_verified
+from raytrain_ddp.checkpoint.consolidate import consolidate
+from raytrain_ddp.checkpoint.layout import is_sharded
+from raytrain_ddp.checkpoint.verify import read_verified
 from raytrain_ddp.errors import ConfigError, OneLineErrorParser, bad_input
 from raytrain_ddp.storage import location
-from raytrain_ddp.worker.checkpoint import consolidate, is_sharded
 
 
 def consolidate_checked(checkpoint: str, out: str) -> Path:

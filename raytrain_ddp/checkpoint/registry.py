@@ -21,92 +21,17 @@ import logging
 from pathlib import Path
 
 from raytrain_ddp import _ray_compat
+from raytrain_ddp.checkpoint.layout import CHECKPOINT_FILE, entry_point
+from raytrain_ddp.checkpoint.state import describe
+from raytrain_ddp.checkpoint.verify import check_fits_model, read_verified
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.errors import ConfigError, bounded, headline, plural
-from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, open_for_read, remove_tree
-from raytrain_ddp.worker.checkpoint import (
-    CHECKPOINT_FILE,
-    TRAINING_STATE_FILE,
-    entry_point,
-    is_sharded,
-    load_file,
-    model_shapes,
-    resume_point,
-    shard_problem,
-)
+from raytrain_ddp.errors import ConfigError, plural
+from raytrain_ddp.storage import RunPath, copy_tree, location, move_tree, remove_tree
 
 log = logging.getLogger("raytrain_ddp")
 
-# What a worker reads when it resumes (raytrain_ddp/worker: RankTrainer.restore, checkpoint.load, position_of)
-REQUIRED_KEYS = (
-    "model",
-    "optimizer",
-    "scheduler",
-    "scaler",
-    "epoch",
-    "step_in_epoch",
-    "global_step",
-    "rng",
-    "config",
-    "data_spec",
-)
-MISMATCHES_NAMED = 3  # a model that does not fit a checkpoint: the first few tensors that differ
-SHARDED_KEYS = ("model", "optimizer")  # in a sharded checkpoint's shards/, not in its training_state.pt
 CORRUPT_DIR = "corrupt"
 CHECKPOINT_GLOB = "checkpoint_*"  # Ray Train's checkpoint directories (and ShardedSaver's, named alike)
-
-
-def read_verified(checkpoint_dir: RunPath) -> tuple[dict | None, str | None]:
-    """(state, None) when the checkpoint loads and has what a resume needs, else (None, why not).
-
-    A sharded checkpoint's state comes without the model and optimizer, once its shards are all there
-    and whole (read from DCP's index, not loaded; sharded checkpoints are local: see config's check)."""
-    sharded = is_sharded(checkpoint_dir)
-    path = checkpoint_dir / (TRAINING_STATE_FILE if sharded else CHECKPOINT_FILE)
-    if not path.is_file():
-        return None, f"{path.name} is missing"
-    if sharded and (problem := shard_problem(checkpoint_dir)):
-        return None, problem
-    try:
-        state = load_file(open_for_read(path))
-    except Exception as err:  # truncated, garbage, not a torch file: all mean "unusable"
-        return None, f"it does not load ({headline(err)})"
-    if not isinstance(state, dict):
-        return None, f"it holds a {type(state).__name__}, not a checkpoint"
-    missing = [key for key in REQUIRED_KEYS if key not in state and not (sharded and key in SHARDED_KEYS)]
-    return (None, f"keys missing: {', '.join(missing)}") if missing else (state, None)
-
-
-def describe(checkpoint_dir: RunPath, state: dict) -> str:
-    """Where training goes on from a checkpoint: "PATH, at the start of epoch 3" or "PATH, in epoch 3, 24
-    optimizer steps into it" (a checkpoint records the epochs done, not the one it resumes in)."""
-    return f"{checkpoint_dir}, {resume_point(state['epoch'], state.get('step_in_epoch', 0))}"
-
-
-def model_mismatch(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str | None:
-    """How a checkpoint's model tensors (`saved`, name -> shape) differ from the model's (`wanted`), or None."""
-
-    def named(names: list[str], say) -> str:
-        return bounded(map(say, names), MISMATCHES_NAMED)
-
-    differ = [name for name in wanted if name in saved and saved[name] != wanted[name]]
-    missing = [name for name in wanted if name not in saved]
-    extra = [name for name in saved if name not in wanted]
-    found = [
-        *([named(differ, lambda n: f"{n} is {list(saved[n])} there, {list(wanted[n])} here")] if differ else []),
-        *([f"it lacks {named(missing, str)}"] if missing else []),
-        *([f"this model has no {named(extra, str)}"] if extra else []),
-    ]
-    return "; ".join(found) or None
-
-
-def check_fits_model(
-    checkpoint_dir: RunPath, state: dict, wanted: dict[str, tuple[int, ...]], what: str, remedy: str
-) -> None:
-    """ConfigError when the checkpoint's model is not the model this run builds (`wanted`: name -> shape): one
-    line before any worker starts, not each rank's load_state_dict traceback."""
-    if mismatch := model_mismatch(model_shapes(checkpoint_dir, state), wanted):
-        raise ConfigError(f"{what} holds another model than this run's ({mismatch}); {remedy}")
 
 
 # ------------------------------------------------------------------ a resumed run
