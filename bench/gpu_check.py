@@ -100,6 +100,7 @@ def count_step_syncs(steps: int = SYNC_STEPS) -> dict:
 
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.data.spec import synthetic_spec
+    from raytrain_ddp.worker.args import UserCode
     from raytrain_ddp.worker.loop import RankTrainer
 
     with socket.socket() as probe:
@@ -109,7 +110,7 @@ def count_step_syncs(steps: int = SYNC_STEPS) -> dict:
     device = torch.device("cuda", 0)
     config = TrainConfig(model="resnet18", precision="bf16", channels_last=True, batch_size=64)
     spec = synthetic_spec(config)
-    trainer = RankTrainer(config, spec, device, {}, world_size=1)
+    trainer = RankTrainer(config, spec, device, UserCode(), world_size=1)
     batch = {
         "x": torch.randn(config.batch_size, *spec.input_shape, device=device),
         "y": torch.randint(spec.num_classes, (config.batch_size,), device=device),

@@ -372,11 +372,12 @@ def test_a_resize_with_another_seed_or_micro_batch_size_starts_the_epoch_over():
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.data.spec import synthetic_spec
     from raytrain_ddp.worker import strategy
+    from raytrain_ddp.worker.args import UserCode
     from raytrain_ddp.worker.loop import RankTrainer
 
     with one_process_group():
         config = TrainConfig(model="mlp", dataset="synthetic-tabular", train_size=64, val_size=16, batch_size=4)
-        trainer = RankTrainer(config, synthetic_spec(config), torch.device("cpu"), {}, world_size=1)
+        trainer = RankTrainer(config, synthetic_spec(config), torch.device("cpu"), UserCode(), world_size=1)
         model_state, optimizer_state = strategy.full_state(trainer.model, trainer.optimizer)
         saved = {
             "model": model_state,

@@ -19,6 +19,7 @@ from raytrain_ddp.data.spec import synthetic_spec
 from raytrain_ddp.errors import ConfigError
 from raytrain_ddp.evaluate import evaluate_checkpoint
 from raytrain_ddp.models import build_model
+from raytrain_ddp.worker.args import UserCode
 from raytrain_ddp.worker.loop import RankTrainer
 
 DATASETS = {"cnn": "synthetic", "mlp": "synthetic-tabular", "transformer": "synthetic-tokens"}
@@ -58,7 +59,7 @@ def _config(model: str, **flags) -> TrainConfig:
 
 def _train(config: TrainConfig, optimizer_steps: int = 2) -> list[float]:
     spec = synthetic_spec(config)
-    trainer = RankTrainer(config, spec, torch.device("cpu"), {}, world_size=1)
+    trainer = RankTrainer(config, spec, torch.device("cpu"), UserCode(), world_size=1)
     losses = []
     for micro in range(1, optimizer_steps * config.grad_accum + 1):
         synchronise = micro % config.grad_accum == 0
