@@ -294,6 +294,25 @@ def node_main(argv: list[str]) -> int:
 
 
 def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: str, terms: list[float]) -> int:
+    _check_node(host, tmp)
+    ip = plan.head_ip if role == "head" else node_ip(plan.head_ip)
+    # The dashboard agent's HTTP port defaults to a fixed 52365: the job's own, else any free one.
+    agent_port = plan.ports.agent
+    if port_busy(agent_port):
+        agent_port = free_port()
+        log.info("port %d busy here; dashboard agent uses %d", plan.ports.agent, agent_port)
+    gpus = _checked_gpus(plan, index)
+    Path(plan.job_dir, f"node.{index}").write_text(f"{plan.nodes[index]} {host} {ip}\n")
+    if plan.netcheck_timeout_s and len(plan.nodes) > 1 and not network_check(plan, index, ip, terms):
+        return 0  # the launcher ends the job: this node's Ray is not started
+    if role == "worker":
+        wait_for_gcs(plan)
+    ray = _start_ray(plan, index, role, ip, tag, gpus, agent_port)
+    return _hold_ray(ray, plan, role, tag, tmp, terms)
+
+
+def _check_node(host: str, tmp: str) -> None:
+    """This node's temp dir is ours and the job's auth token readable here; raises LaunchError."""
     try:
         private_dir(tmp)  # a stale one of ours (a requeue) is replaced; anyone else's is refused
     except UnsafePath as err:
@@ -303,12 +322,10 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         raise LaunchError(
             f"auth token {token} is not readable on {host}; put RAYTRAIN_JOB_DIR_BASE on storage all nodes share", 1
         )
-    ip = plan.head_ip if role == "head" else node_ip(plan.head_ip)
-    # The dashboard agent's HTTP port defaults to a fixed 52365: the job's own, else any free one.
-    agent_port = plan.ports.agent
-    if port_busy(agent_port):
-        agent_port = free_port()
-        log.info("port %d busy here; dashboard agent uses %d", plan.ports.agent, agent_port)
+
+
+def _checked_gpus(plan: JobPlan, index: int) -> int:
+    """The GPUs Ray will advertise here, said; raises LaunchError where CUDA_VISIBLE_DEVICES disagrees."""
     gpus = node_gpus(os.environ, plan.gpus)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     log.info(
@@ -317,12 +334,10 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
     mismatch = gpu_mismatch(plan.nodes[index], visible, gpus)
     if mismatch:
         raise LaunchError(mismatch, 1)
-    Path(plan.job_dir, f"node.{index}").write_text(f"{plan.nodes[index]} {host} {ip}\n")
-    if plan.netcheck_timeout_s and len(plan.nodes) > 1 and not network_check(plan, index, ip, terms):
-        return 0  # the launcher ends the job: this node's Ray is not started
-    if role == "worker":
-        wait_for_gcs(plan)
+    return gpus
 
+
+def _start_ray(plan: JobPlan, index: int, role: str, ip: str, tag: str, gpus: int, agent_port: int) -> subprocess.Popen:
     env = dict(os.environ)  # the Train view needs nothing of `ray start`: the trainer turns on state tracking
     env["RAYTRAIN_RAY_TAG"] = tag  # only in Ray's environment, so the sweep finds Ray's processes, never this one
     nccl_iface = os.environ.get("RAYTRAIN_NET_IFACE") or interface_of(ip)
@@ -338,15 +353,12 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         plan.ray_tmp(index),
         env.get("NCCL_SOCKET_IFNAME", "unset"),
     )
-    ray = subprocess.Popen(
-        [
-            plan.python,
-            "-m",
-            "ray.scripts.scripts",
-            *ray_start_args(plan, role, ip, plan.ray_tmp(index), gpus, cpus, agent_port),
-        ],
-        env=env,
-    )
+    start_args = ray_start_args(plan, role, ip, plan.ray_tmp(index), gpus, cpus, agent_port)
+    return subprocess.Popen([plan.python, "-m", "ray.scripts.scripts", *start_args], env=env)
+
+
+def _hold_ray(ray: subprocess.Popen, plan: JobPlan, role: str, tag: str, tmp: str, terms: list[float]) -> int:
+    """Wait on this node's Ray until it exits, the launcher asks it to stop, or the batch's TERM grace is over."""
     stop_file = Path(plan.job_dir, "stop")
     grace = float(os.environ.get("RAYTRAIN_STOP_GRACE_S", "60")) + 10  # the batch's grace, then its cleanup
     try:

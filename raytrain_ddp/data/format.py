@@ -245,6 +245,72 @@ def write_info(out_dir: str, info: DatasetInfo) -> None:
         file.write("\n")
 
 
+class _SplitWriter:
+    """Record batches into split_dir/part-NNNNN.parquet files, one row group buffered at a time (write_split's
+    limits)."""
+
+    def __init__(
+        self,
+        split_dir: str,
+        schema: pa.Schema,
+        rows_per_file: int,
+        row_group_size: int,
+        row_group_bytes: int,
+        file_bytes: int,
+    ) -> None:
+        self.split_dir, self.schema = split_dir, schema
+        self.rows_per_file, self.row_group_size = rows_per_file, row_group_size
+        self.row_group_bytes, self.file_bytes = row_group_bytes, file_bytes
+        self.paths: list[str] = []
+        self.writer: pq.ParquetWriter | None = None
+        self.file_rows = self.file_size = 0
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_rows = self.pending_bytes = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        """The batch's rows into the pending row group, which is written whenever a limit is reached."""
+        while batch.num_rows:
+            bytes_per_row = max(1, batch.nbytes // batch.num_rows)
+            room_by_bytes = max(1, -(-(self.row_group_bytes - self.pending_bytes) // bytes_per_row))
+            take = min(
+                batch.num_rows,
+                self.row_group_size - self.pending_rows,
+                self.rows_per_file - self.file_rows - self.pending_rows,
+                room_by_bytes,
+            )
+            piece, batch = batch.slice(0, take), batch.slice(take)
+            self.pending.append(piece)
+            self.pending_rows += take
+            self.pending_bytes += take * bytes_per_row
+            full = (
+                self.pending_rows >= self.row_group_size
+                or self.pending_bytes >= self.row_group_bytes
+                or self.file_rows + self.pending_rows >= self.rows_per_file
+            )
+            if full:
+                self.flush()
+
+    def flush(self) -> None:
+        """The pending rows as one row group; the file ends after it when it reached its rows or bytes."""
+        if not self.pending_rows:
+            return
+        if self.writer is None:
+            self.paths.append(os.path.join(self.split_dir, f"part-{len(self.paths):05d}.parquet"))
+            self.writer = pq.ParquetWriter(self.paths[-1], self.schema)
+        table = pa.Table.from_batches(self.pending, self.schema)
+        self.writer.write_table(table, row_group_size=table.num_rows)
+        self.file_rows += table.num_rows
+        self.file_size += self.pending_bytes
+        self.pending, self.pending_rows, self.pending_bytes = [], 0, 0
+        if self.file_rows >= self.rows_per_file or self.file_size >= self.file_bytes:
+            self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.writer, self.file_rows, self.file_size = None, 0, 0
+
+
 def write_split(
     split_dir: str,
     batches: Iterable[pa.RecordBatch],
@@ -264,55 +330,14 @@ def write_split(
     if rows_per_file < 1 or row_group_size < 1:
         raise ConfigError(f"rows_per_file and row_group_size must be >= 1, got {rows_per_file} and {row_group_size}")
     os.makedirs(split_dir, exist_ok=True)
-    paths: list[str] = []
-    writer: pq.ParquetWriter | None = None
-    file_rows = file_size = 0
-    pending: list[pa.RecordBatch] = []
-    pending_rows = pending_bytes = 0
-
-    def flush() -> None:
-        nonlocal writer, file_rows, file_size, pending, pending_rows, pending_bytes
-        if not pending_rows:
-            return
-        if writer is None:
-            paths.append(os.path.join(split_dir, f"part-{len(paths):05d}.parquet"))
-            writer = pq.ParquetWriter(paths[-1], schema)
-        table = pa.Table.from_batches(pending, schema)
-        writer.write_table(table, row_group_size=table.num_rows)
-        file_rows += table.num_rows
-        file_size += pending_bytes
-        pending, pending_rows, pending_bytes = [], 0, 0
-        if file_rows >= rows_per_file or file_size >= file_bytes:
-            writer.close()
-            writer, file_rows, file_size = None, 0, 0
-
+    out = _SplitWriter(split_dir, schema, rows_per_file, row_group_size, row_group_bytes, file_bytes)
     try:
         for batch in batches:
-            while batch.num_rows:
-                bytes_per_row = max(1, batch.nbytes // batch.num_rows)
-                room_by_bytes = max(1, -(-(row_group_bytes - pending_bytes) // bytes_per_row))
-                take = min(
-                    batch.num_rows,
-                    row_group_size - pending_rows,
-                    rows_per_file - file_rows - pending_rows,
-                    room_by_bytes,
-                )
-                piece, batch = batch.slice(0, take), batch.slice(take)
-                pending.append(piece)
-                pending_rows += take
-                pending_bytes += take * bytes_per_row
-                full = (
-                    pending_rows >= row_group_size
-                    or pending_bytes >= row_group_bytes
-                    or file_rows + pending_rows >= rows_per_file
-                )
-                if full:
-                    flush()
-        flush()
+            out.add(batch)
+        out.flush()
     finally:
-        if writer is not None:
-            writer.close()
-    return paths
+        out.close()
+    return out.paths
 
 
 def set_file_metadata(paths: Sequence[str], info: DatasetInfo) -> None:

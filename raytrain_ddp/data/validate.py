@@ -84,20 +84,9 @@ def check_dataset(
     """
     root_info, train_files, val_files = _resolve_inputs(train, val)
     first = train_files[0]
-    with open_parquet(first) as parquet:
-        reference_schema = parquet.schema_arrow
-    file_info = root_info
-    if file_info is None:
-        embedded = metadata_from_schema(reference_schema)
-        if embedded is not None:
-            file_info = DatasetInfo.from_metadata(embedded, source=first.uri, path=first.uri)
+    reference_schema, file_info = _reference(first, root_info)
     columns = _plan_columns(reference_schema, first.uri, file_info, image_column, label_column, feature_columns)
-
-    all_files = train_files + val_files
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_FILES, len(all_files))) as pool:
-        reports = list(
-            pool.map(lambda location: _check_file(location, columns, reference_schema, first.uri), all_files)
-        )
+    reports = _check_files(train_files + val_files, columns, reference_schema, first.uri)
     train_reports, val_reports = reports[: len(train_files)], reports[len(train_files) :]
 
     rows = {"train": sum(r.rows for r in train_reports), "val": sum(r.rows for r in val_reports)}
@@ -124,6 +113,24 @@ def check_dataset(
         train_paths=[location.uri for location in train_files],
         val_paths=[location.uri for location in val_files],
     )
+
+
+def _reference(first: Location, root_info: DatasetInfo | None) -> tuple[pa.Schema, DatasetInfo | None]:
+    """The first training file's schema, which every file must share, and the dataset's metadata: the root's
+    dataset.json, else what `prepare` embedded in that file's schema (None: neither)."""
+    with open_parquet(first) as parquet:
+        reference_schema = parquet.schema_arrow
+    if root_info is not None:
+        return reference_schema, root_info
+    embedded = metadata_from_schema(reference_schema)
+    info = None if embedded is None else DatasetInfo.from_metadata(embedded, source=first.uri, path=first.uri)
+    return reference_schema, info
+
+
+def _check_files(files: list[Location], columns: _Columns, reference_schema: pa.Schema, first_uri: str) -> list:
+    """Every file's footer and sample checked, several at a time (remote files wait on the network)."""
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_FILES, len(files))) as pool:
+        return list(pool.map(lambda location: _check_file(location, columns, reference_schema, first_uri), files))
 
 
 def _stats_of(file_info: DatasetInfo | None, columns: _Columns, which: str) -> list[float] | None:
