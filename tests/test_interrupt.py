@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
 import sys
 import termios
@@ -32,8 +33,10 @@ def _wait_for_epoch_1(run_dir: Path, timeout: float = 300, alive=lambda: True) -
 
 
 def _in_a_terminal() -> None:
-    """In the child: its own session, whose controlling terminal is the pty on stdin (as a shell's job is)."""
+    """In the child: its own session, whose controlling terminal is the pty on stdin, and SIGINT as a shell's
+    foreground job has it (a suite started in the background inherits it ignored, and exec keeps that)."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_in_a_terminal_exits_130_with_one_line_and_a_summary(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import logging
 import signal
 import threading
@@ -21,6 +22,20 @@ STOP_SIGNALS = {
 INTERRUPT_REASON = "SIGINT (Ctrl-C)"  # passed on to a launched script's ranks, as torchrun passes Ctrl-C on
 
 _early: list[int] = []  # stop signals that came before fit() took over: while the CLI imported torch and Ray
+_watchdog_interrupt = threading.Event()  # the watchdog ends fit() in the main thread (interrupt_main_thread)
+
+
+def interrupt_main_thread() -> None:
+    """End fit() in the main thread as a Ctrl-C would: the watchdog's way out when the cluster is gone."""
+    _watchdog_interrupt.set()
+    _thread.interrupt_main()
+
+
+def _watchdog_only(signum, frame) -> None:
+    """SIGINT where the process inherited it ignored (a background job of a non-interactive shell, where
+    interrupt_main alone does nothing): a real one stays ignored, the watchdog's still ends fit()."""
+    if _watchdog_interrupt.is_set():
+        raise KeyboardInterrupt
 
 
 def hold_early_stop_signals() -> None:
@@ -84,6 +99,9 @@ def stop_on_signals():
 
     stop.handler = on_signal
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    _watchdog_interrupt.clear()
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _watchdog_only)
     if _early:
         on_signal(_early[0], None)
         _early.clear()

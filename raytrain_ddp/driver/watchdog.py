@@ -11,7 +11,6 @@ Both run on the monotonic clock; what a rank's position is lives in
 
 from __future__ import annotations
 
-import _thread
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import preflight, stacks
 from raytrain_ddp.driver.monitor import RunRecorder, Verdict
 from raytrain_ddp.driver.run_lock import RunLock
+from raytrain_ddp.driver.signals import interrupt_main_thread
 from raytrain_ddp.errors import named, one_line, plural
 
 log = logging.getLogger("raytrain_ddp")
@@ -214,7 +214,7 @@ def _end_lost_cluster(recorder: RunRecorder, node_watch: NodeWatch, silent_s: fl
         cluster_gone=True,
     )
     log.error("Giving up: %s", recorder.verdict.reason)
-    _thread.interrupt_main()
+    interrupt_main_thread()
 
 
 def watch(
