@@ -89,7 +89,8 @@ class RunMonitor:
         return self._stop_reason
 
     def worker_started(self, rank: int, info: dict) -> None:
-        self._running.add(rank)
+        # a rank of a new attempt: the ranks past its world size belonged to a larger one, now gone
+        self._running = {r for r in self._running if r < info["world_size"]} | {rank}
         self._events.append(("started", rank, info))
 
     def worker_ended(self, rank: int) -> None:
@@ -97,8 +98,8 @@ class RunMonitor:
         self._running.discard(rank)
 
     def ranks_running(self) -> int:
-        """Launched ranks started and not yet ended: what a Ctrl-C waits for (driver.fit; the built-in loop's
-        ranks never say they ended, and a Ctrl-C does not wait for them)."""
+        """Ranks started and not yet ended: what a Ctrl-C waits for after a launched script (driver.fit; the
+        built-in loop's ranks never say they ended, and a Ctrl-C does not wait for them)."""
         return len(self._running)
 
     def progress(
