@@ -138,7 +138,8 @@ class Supervisor:
         local = Path(tempfile.mkdtemp(prefix="raytrain-checkpoint-")) / "checkpoint"
         if stored.is_dir() and stored.iterdir():
             copy_tree(stored, local)
-            self.channel.note_restored(file_states(local))  # in the store already: not uploaded again
+            if self.rank == 0:  # the rank that uploads (session_env): what it restored is not uploaded again
+                self.channel.note_restored(file_states(local))
         return local
 
     def session_env(self) -> dict[str, str]:
