@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.fs as pafs
 import ray
 
 from raytrain_ddp.errors import ConfigError, StorageFull, one_line
@@ -53,7 +52,6 @@ NODE_IS_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 # Ray Train V2 keeps a run's checkpoint list here (ray.train.v2._internal.constants)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
-UPLOAD_CHUNK_BYTES = 64 * 2**20  # what Ray Train's own checkpoint upload copies in (fewer, larger requests)
 
 
 def _minor(version: str) -> tuple[int, int]:
@@ -280,11 +278,12 @@ class _UploadGaveUp(Exception):
 
 def report_checkpoint(metrics: dict, checkpoint: Any, what: str, run_dir: RunPath, **report_options: Any) -> None:
     """ray.train.report(metrics, checkpoint=...), `checkpoint` (`what`, as messages name it) uploaded into
-    `run_dir`. On object storage the upload is Ray Train's own (pyarrow's copy into the run's checkpoint
-    directory), each try inside storage.retried: a store that fails in passing is retried within the budget,
-    one that stays down raises StorageFull (the run ends, exit 74) where pyarrow's error would restart the group.
+    `run_dir`. On object storage the upload is Ray Train's own (its storage context's copy into the run's
+    checkpoint directory), each try inside storage.retried: a store that fails in passing is retried within the
+    budget, one that stays down raises StorageFull (the run ends, exit 74) where pyarrow's error would restart the
+    group.
 
-    `checkpoint_upload_fn` is public; the path it must write to (Ray Train's storage context) is not."""
+    `checkpoint_upload_fn` is public; Ray Train's own upload (its storage context's) is not."""
     import ray.train
 
     if not isinstance(run_dir, RemotePath):  # a local run directory: Ray Train's copy, a full disk its OSError
@@ -293,25 +292,10 @@ def report_checkpoint(metrics: dict, checkpoint: Any, what: str, run_dir: RunPat
 
     def upload(local: Any, checkpoint_dir_name: str) -> Any:
         storage = ray.train.get_context().get_storage()
-        fs, path = storage.storage_filesystem, storage.build_checkpoint_path_from_name(checkpoint_dir_name)
-
-        def copy() -> None:
-            fs.create_dir(path)
-            # as Ray Train copies: one thread (pyarrow's threaded upload to S3 is unsafe: apache/arrow#32372)
-            pafs.copy_files(
-                local.path,
-                path,
-                source_filesystem=local.filesystem,
-                destination_filesystem=fs,
-                use_threads=False,
-                chunk_size=UPLOAD_CHUNK_BYTES,
-            )
-
         try:
-            retried(what, run_dir, copy)
+            return retried(what, run_dir, lambda: storage.persist_current_checkpoint(local, checkpoint_dir_name))
         except StorageFull as full:
             raise _UploadGaveUp(full) from None
-        return ray.train.Checkpoint(filesystem=fs, path=path)
 
     try:
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_fn=upload, **report_options)

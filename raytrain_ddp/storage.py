@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
@@ -36,6 +37,7 @@ from raytrain_ddp.errors import ConfigError, StorageFull, one_line
 from raytrain_ddp.redact import redact
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long one object-store write keeps retrying a store that fails in passing (5xx, throttling, a refused or
 # reset connection, a timeout) before the run ends (StorageFull, exit 74): long enough for a store's restart or
@@ -340,17 +342,17 @@ def retry_budget_s() -> float:
     return float(os.environ.get(RETRY_BUDGET_ENV, RETRY_BUDGET_S))
 
 
-def retried(what: str, where: RunPath, write: Callable[[], None]) -> None:
-    """Run `write` (writing `what` to `where`); on object storage retry a transient failure with exponential
-    backoff for up to the retry budget, saying so in one WARNING (not one per attempt). A store that still fails
-    then, or that refuses outright (access denied, no bucket), raises StorageFull: the run ends at once."""
+def retried(what: str, where: RunPath, write: Callable[[], T]) -> T:
+    """Run `write` (writing `what` to `where`) and return what it returns; on object storage retry a transient
+    failure with exponential backoff for up to the retry budget, saying so in one WARNING (not one per attempt). A
+    store that still fails then, or that refuses outright (access denied, no bucket), raises StorageFull: the run
+    ends at once."""
     if isinstance(where, Path):
-        write()
-        return
+        return write()
     deadline, wait, warned = time.monotonic() + retry_budget_s(), RETRY_FIRST_WAIT_S, False
     while True:
         try:
-            write()
+            written = write()
         except FileNotFoundError:
             raise
         except OSError as err:
@@ -370,4 +372,4 @@ def retried(what: str, where: RunPath, write: Callable[[], None]) -> None:
             continue
         if warned:
             log.info("Writing %s to %s succeeded after retrying", what, where)
-        return
+        return written

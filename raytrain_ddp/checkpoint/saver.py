@@ -89,10 +89,6 @@ class Saver(abc.ABC):
     def flush(self) -> None:  # noqa: B027  (a full save is reported as it is written: nothing is pending)
         """Wait for the pending save, then report it."""
 
-    @property
-    def in_flight(self) -> bool:
-        return False
-
 
 class FullSaver(Saver):
     """Full checkpoints: every rank gathers (FSDP shards meet on rank zero); rank zero writes checkpoint.pt into a
@@ -182,7 +178,7 @@ class _Pending:
     what: str  # the checkpoint, as a message names it
 
 
-def report_uploaded(metrics: dict, directory: Path, rank: int, run_dir: RunPath) -> None:
+def report_uploaded(metrics: dict, directory: Path, run_dir: RunPath) -> None:
     """Ray Train's report of the checkpoint this rank staged in `directory` (a local one of its own) for a run
     directory on object storage: every rank's files are uploaded into one checkpoint directory of that name
     there (Ray Train merges them; a store that fails is retried, then StorageFull), then deleted here. Every
@@ -220,12 +216,12 @@ class ShardedSaver(Saver):
         run_dir = location(run_dir)
         self.rank = rank
         if isinstance(run_dir, Path):
-            self.write_dir, default_report = run_dir, report_written
+            self.write_dir, default_report = run_dir, functools.partial(report_written, rank=rank)
         else:
             self.write_dir = Path(tempfile.mkdtemp(prefix="raytrain-shards-"))
             default_report = functools.partial(report_uploaded, run_dir=run_dir)
             weakref.finalize(self, shutil.rmtree, self.write_dir, True)  # this rank's own staging directory
-        self.report = report or functools.partial(default_report, rank=rank)
+        self.report = report or default_report
         self.group = dist.new_group(backend="gloo")  # every rank, at the same point: a collective
         self.pending: _Pending | None = None
 

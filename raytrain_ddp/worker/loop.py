@@ -379,12 +379,10 @@ class WorkerLoop:
         step, checkpoint_due = self.position.global_step, False
         if step % STOP_CHECK_EVERY == 0:
             saver = self.trainer.saver
-            writing = saver.in_flight  # the same on every rank
             stop, checkpoint_due, unfinished = all_ranks_agree(
-                (self.heartbeat.stop_reason is not None, self.minutes_due(), writing and not saver.done_here()),
-                self.device,
+                (self.heartbeat.stop_reason is not None, self.minutes_due(), not saver.done_here()), self.device
             )
-            if writing and not unfinished:  # every rank's shards are written: Ray Train may count it now
+            if not unfinished:  # every rank's shards are written: Ray Train may count them now (none: nothing to do)
                 saver.flush()
             if stop:
                 run.stop_reason = self.heartbeat.stop_reason or "another rank was asked to stop"
