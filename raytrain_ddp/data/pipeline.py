@@ -23,7 +23,7 @@ the epoch number), DistributedSampler-style over units:
   or the next ones, share a task), and mixes their rows in
   a shuffle window of ``SHUFFLE_BUFFER_ROWS`` rows seeded from
   ``(seed, epoch, rank)``: each batch takes random rows of the window, and the
-  next rows read take their places (:func:`_window_shuffled`, which depends on
+  next rows read take their places (:func:`.order.window_shuffled`, which depends on
   the rows' order only, not on how Ray Data cuts them into blocks);
 * since every epoch's pieces are known up front, one Ray Data execution per
   rank reads all the epochs still to come (:class:`_TrainStream`, kept on the
@@ -38,7 +38,7 @@ epoch E (driver restarted, or Ray Train restarting the worker group) sees what
 the uninterrupted run saw (a rank that asks for another epoch than the
 stream's next one, or left an epoch half read, gets a new stream starting
 there). An epoch resumed mid-way at another world size goes on with the rows
-its earlier parts did not train (:func:`rest_of_epoch_pieces`), so across a
+its earlier parts did not train (:func:`.order.rest_of_epoch_pieces`), so across a
 resize too every row of the epoch is trained once. No all-to-all shuffle runs, so the first batch of an epoch waits for
 one window of rows, not for the whole training set.
 
@@ -216,11 +216,6 @@ class TrainInput(Protocol):
     """What a rank trains from, whatever the data's source."""
 
     @property
-    def spec(self) -> DataSpec | None:
-        """For the device feed to finish uint8 images; None: a plug-in's rows, model inputs already."""
-        ...
-
-    @property
     def resizable(self) -> bool:
         """An epoch checkpointed mid-way at another world size goes on with the rows left (else it starts over)."""
         ...
@@ -255,10 +250,6 @@ class TrainShard:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "stream": None}
-
-    @property
-    def spec(self) -> DataSpec:
-        return self.source.spec
 
     def host_batches(self, config: TrainConfig, epoch: int, earlier_parts=()) -> Iterable[dict]:
         seed = shuffle_seed(config.seed, epoch, self.rank, len(earlier_parts))
@@ -300,7 +291,6 @@ class PluginTrainShard:
     """A --dataset plug-in's train split of a rank: Ray Data split it and reshuffles it every epoch."""
 
     iterator: ray.data.DataIterator
-    spec = None
     resizable = False
 
     def host_batches(self, config: TrainConfig, epoch: int, earlier_parts=()) -> Iterable[dict]:

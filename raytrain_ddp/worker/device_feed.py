@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.pipeline import TrainInput
+from raytrain_ddp.data.pipeline import TrainShard
 from raytrain_ddp.data.spec import DataSpec
 
 
@@ -35,10 +35,10 @@ def padding_batch(spec: DataSpec, device) -> dict:
     return {"x": torch.zeros((1, *spec.input_shape), dtype=dtype, device=device)}
 
 
-def epoch_batches(shard: TrainInput, config: TrainConfig, epoch: int, device, earlier_parts=()) -> Iterator[dict]:
+def epoch_batches(shard: TrainShard, config: TrainConfig, epoch: int, device, earlier_parts=()) -> Iterator[dict]:
     """This rank's torch batches of `epoch` (counted from 1) on `device`: a function of (seed, epoch, rank,
     world size), and of the epoch's `earlier_parts` when it was begun at other world sizes."""
-    feed = DeviceFeed(shard.spec, device)
+    feed = DeviceFeed(shard.source.spec, device)
     for batch in shard.host_batches(config, epoch, earlier_parts):
         yield feed.receive(feed.send(batch))
 

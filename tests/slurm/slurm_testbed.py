@@ -138,6 +138,11 @@ def job_processes(job_id: int) -> list[str]:
     return found
 
 
+def in_queue(job_id: int) -> bool:
+    """Whether the job is still in Slurm's queue (pending, running, or requeued to run again)."""
+    return bool(subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip())
+
+
 def log_text(path: Path) -> str:
     """A job's log so far ('' before Slurm creates it)."""
     return path.read_text() if path.exists() else ""

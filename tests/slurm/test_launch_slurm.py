@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_testbed import REPO, Testbed, log_text, wait_for_line
+from slurm_testbed import REPO, Testbed, in_queue, log_text, wait_for_line
 from support import script_rank_pid
 
 pytestmark = pytest.mark.slurm
@@ -43,7 +43,7 @@ def test_the_tutorial_script_runs_one_rank_per_node_and_a_killed_rank_resumes_fr
     try:
         wait_for_line(logs / "rank-1.log", "Epoch 1 |", t0, 300, "rank 1 never finished epoch 1")
         os.kill(script_rank_pid(TUTORIAL, rank=1), signal.SIGKILL)
-        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+        while in_queue(job_id):
             assert time.monotonic() - t0 < 480, log_text(log_path)
             time.sleep(2)
     finally:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import SCRIPT, Job, Testbed, log_text, wait_for_line
+from slurm_testbed import SCRIPT, Job, Testbed, in_queue, log_text, wait_for_line
 from test_start_ray_slurm import TWO_NODES, assert_no_leftovers, show
 
 pytestmark = pytest.mark.slurm
@@ -77,7 +77,7 @@ def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> t
         time.sleep(2)  # Ray Train registers it once every rank has reported
         assert kill_node_ray(job_id, LOST_NODE_INDEX), f"no Ray process of job {job_id} found on {LOST_NODE}"
         killed_at = time.monotonic()
-        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+        while in_queue(job_id):
             assert time.monotonic() - killed_at < 300, "the job hangs after the node loss:\n" + log_path.read_text()
             if "requeued job" in log_path.read_text():
                 break
@@ -162,7 +162,7 @@ def _job_on_a_broken_link(testbed: Testbed, name: str, requeued: bool, **env: st
         if requeued:  # the launcher's last line, once Ray is stopped
             wait_for_line(log_path, "requeued job", started, 300, "no requeue after the network check", poll_s=0.2)
         else:  # until its script has ended: the job leaves the queue
-            while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+            while in_queue(job_id):
                 assert time.monotonic() - started < 300, "the job did not end:\n" + log_text(log_path)
                 time.sleep(0.5)
         shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, job_processes, wait_for_line
+from slurm_testbed import HEAD_NETNS, NODES, REPO, Job, Testbed, in_queue, job_processes, wait_for_line
 from support import train_api_run
 from test_data_prepare import write_fake_cifar10  # the converter tests' CIFAR-10 layout
 
@@ -140,7 +140,7 @@ def test_a_temp_dir_planted_by_someone_else_is_refused_in_one_line(testbed: Test
     try:
         t0 = time.monotonic()
         subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
-        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+        while in_queue(job_id):
             assert time.monotonic() - t0 < 300, "job did not finish"
             time.sleep(1)
         job = Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
@@ -197,7 +197,7 @@ def test_the_cifar10_example_prepares_and_trains_on_two_nodes_after_a_port_colli
         # the run as the dashboard's Train API listed it while training (it is SCHEDULING before, and the
         # job's Ray goes down with the job), and every status it was seen in
         seen_in_train_api, statuses_seen = None, []
-        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+        while in_queue(job_id):
             assert time.monotonic() - t0 < 900, "job did not finish"
             listed = _run_in_train_api(log_path, job_id, "cifar-example")
             if listed and (not statuses_seen or statuses_seen[-1] != listed["status"]):
@@ -252,7 +252,7 @@ def _cancel_and_wait(job_id: int, wd: Path, t0: float) -> Job:
     """scancel the job, wait for it to leave the queue; the job as it ended."""
     subprocess.run(["scancel", str(job_id)], timeout=30)
     deadline = time.monotonic() + 120
-    while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+    while in_queue(job_id):
         assert time.monotonic() < deadline, "cancelled job did not end"
         time.sleep(1)
     return Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
@@ -324,7 +324,7 @@ def test_preemption_while_ray_starts_checkpoints_requeues_and_the_requeued_job_r
     try:
         wait_for_line(log_path, "starting Ray head", t0, 300, "the job never started", poll_s=0.2)
         urgent_id = _preempt(job_id, wd)
-        while subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip():
+        while in_queue(job_id):
             assert time.monotonic() - t0 < 600, "the job (or its requeued run) did not finish:\n" + log_path.read_text()
             time.sleep(1)
     finally:
