@@ -150,6 +150,23 @@ def test_usr1_in_start_up_or_mid_run_stops_at_a_checkpoint_and_the_same_command_
     assert _epochs(run_dir) == [1]  # epoch 1 once, though it began in the first command
 
 
+def test_a_rank_that_starts_after_a_stop_request_knows_it_before_its_first_beat(ray_address):
+    """A USR1 during start-up reaches each rank with its link to the driver, not one beat and one node message
+    later: its first step check stops it, however quickly a loaded machine's first epoch goes by."""
+    import ray
+
+    from raytrain_ddp.driver.monitor import start_monitor
+    from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
+
+    monitor = start_monitor()
+    try:
+        ray.get(monitor.request_stop.remote("SIGUSR1 (Slurm's warning: time limit or preemption)"))
+        link = DriverLink(monitor, rank=0)
+        assert Heartbeat(link.post, 0, link.stop_reason).stop_reason.startswith("SIGUSR1")
+    finally:
+        ray.kill(monitor)
+
+
 def test_a_driver_whose_lock_is_taken_over_stops_its_run_and_writes_nothing_more(ray_address, tmp_path, monkeypatch):
     """A driver hung past the lock's stale limit (a frozen login node) while a driver on another host took the run
     directory over: at its next heartbeat it ends its run and raises, writing no summary, metrics or report over

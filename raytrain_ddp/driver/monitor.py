@@ -65,15 +65,16 @@ class RunMonitor:
         self._aggregators: dict[str, ray.actor.ActorHandle] = {}  # node id -> its ranks' NodeAggregator
         self._running: set[int] = set()  # ranks of the current attempt still at work (started, not ended)
 
-    def aggregator_for(self, node_id: str, hostname: str) -> ray.actor.ActorHandle:
-        """The node's aggregator, started (pinned to the node) when its first rank asks. Owned by this actor:
-        it ends with the run."""
+    def aggregator_for(self, node_id: str, hostname: str) -> tuple[ray.actor.ActorHandle, str | None]:
+        """The node's aggregator, started (pinned to the node) when its first rank asks, and the driver's stop
+        request if there is one already (a USR1 during start-up: the rank learns it before its first step, not a
+        beat and a node message later). The aggregator is owned by this actor: it ends with the run."""
         if node_id not in self._aggregators:
             on_the_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
             self._aggregators[node_id] = NodeAggregator.options(  # type: ignore[attr-defined]  # @ray.remote's
                 scheduling_strategy=on_the_node
             ).remote(ray.get_runtime_context().current_actor, node_id, hostname)
-        return self._aggregators[node_id]
+        return self._aggregators[node_id], self._stop_reason
 
     def node_news(self, message: dict) -> str | None:
         """A node's message (`NodeNews.message`), stamped with this node's monotonic clock (the driver's, which

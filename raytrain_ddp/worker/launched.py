@@ -110,7 +110,7 @@ class Supervisor:
         self.output_lock = threading.Lock()
         self.cpu_of: Callable[[], int] = lambda: _cpu_ticks(os.getpid())
         self.link = DriverLink(self.monitor, self.rank)
-        self.heartbeat = Heartbeat(self.link.post, self.rank)
+        self.heartbeat = Heartbeat(self.link.post, self.rank, self.link.stop_reason)
         self.heartbeat.at(PHASE, 0, self.heartbeat.meter)
         threading.Thread(target=self._beat_forever, daemon=True, name="supervisor").start()
 

@@ -300,7 +300,7 @@ class WorkerLoop:
         _label_worker_logs(self.rank)
         _storage_warnings_to(self.monitor, self.rank)
         self.link = DriverLink(self.monitor, self.rank)
-        self.heartbeat = Heartbeat(self.link.post, self.rank)
+        self.heartbeat = Heartbeat(self.link.post, self.rank, self.link.stop_reason)
         if config.compile:
             self.heartbeat.follow_compiles()
         self.trainer = RankTrainer(config, self.spec, device, code, world_size)

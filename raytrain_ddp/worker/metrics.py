@@ -138,7 +138,7 @@ class Heartbeat:
 
     INTERVAL_S = 1.0
 
-    def __init__(self, post, rank: int) -> None:
+    def __init__(self, post, rank: int, stop_reason: str | None = None) -> None:
         self.post, self.rank = post, rank
         self.step_records: deque[dict] = deque()  # the loop's steps.jsonl records, posted with the next beat
         self.sending = threading.Lock()  # a rank's step records reach the driver in step order
@@ -146,7 +146,7 @@ class Heartbeat:
         # progress inside the phase: validation batches done, CHECKPOINT_STAGES index, bytes of shards written
         self.phase_done = 0
         self.compiling = False
-        self.stop_reason: str | None = None  # set when the driver asks the run to stop (preemption)
+        self.stop_reason = stop_reason  # set when the driver asks the run to stop (preemption)
         threading.Thread(target=self._post_forever, daemon=True, name="heartbeat").start()
 
     def at(self, phase: str, epoch: int, meter: EpochMeter) -> None:
@@ -213,9 +213,10 @@ class DriverLink:
     def __init__(self, monitor, rank: int) -> None:
         self.monitor, self.rank = monitor, rank
         self.aggregator = None
+        self.stop_reason: str | None = None  # the driver's stop request as it stood when the rank started
         self._said_gone = False
         try:
-            self.aggregator = ray.get(
+            self.aggregator, self.stop_reason = ray.get(
                 monitor.aggregator_for.remote(ray.get_runtime_context().get_node_id(), socket.gethostname()),
                 timeout=POST_TIMEOUT_S,
             )
