@@ -126,29 +126,40 @@ def full_storage_error(error: BaseException) -> OSError | None:
     return None
 
 
+STORE_ACTIONS = {"writing": "to", "reading": "from", "deleting": "from"}  # what a storage error was met doing
+
+
 class StorageFull(Exception):
     """Writing `what` to `path` failed for lack of space (ENOSPC) or quota (EDQUOT), or on a mount that turned
     read-only (EROFS): a retry writes the same bytes to the same file system and fails again, so the run ends at
     once (exit code 74). `free`/`total`: the file system's bytes when it failed (None on object storage).
     Pickles whole (a worker's reaches the driver)."""
 
-    def __init__(self, what: str, path: str, reason: str, free: int | None = None, total: int | None = None):
+    def __init__(
+        self,
+        what: str,
+        path: str,
+        reason: str,
+        free: int | None = None,
+        total: int | None = None,
+        action: str = "writing",
+    ):
         known = free is not None and total is not None and reason != READ_ONLY
         space = f" ({_bytes(free or 0)} free of {_bytes(total or 0)})" if known else ""
         state, remedy = _state_and_remedy(reason)
-        super().__init__(
-            f"{state}: {reason} writing {what} to {path}{space}; {remedy} and run the same command again to resume"
-        )
-        self.what, self.path, self.reason, self.free, self.total = what, path, reason, free, total
+        done = f"{action} {what} {STORE_ACTIONS[action]} {path}"
+        super().__init__(f"{state}: {reason} {done}{space}; {remedy} and run the same command again to resume")
+        self.what, self.path, self.reason, self.free, self.total, self.action = what, path, reason, free, total, action
 
     def __reduce__(self):
-        return type(self), (self.what, self.path, self.reason, self.free, self.total)
+        return type(self), (self.what, self.path, self.reason, self.free, self.total, self.action)
 
     @classmethod
-    def store_failed(cls, error: OSError, what: str, path: object) -> StorageFull:
+    def store_failed(cls, error: OSError, what: str, path: object, action: str = "writing") -> StorageFull:
         """An object store that kept failing past the retry budget, or refused outright (access denied, no
-        bucket), writing `what` to `path`: the same write would fail again until someone fixes the store."""
-        return cls(what, str(path), f"{STORE_FAILED} ({one_line(error)})")
+        bucket), `action` ("writing", "reading", "deleting") `what` at `path`: the same request would fail again
+        until someone fixes the store."""
+        return cls(what, str(path), f"{STORE_FAILED} ({one_line(error)})", action=action)
 
     @classmethod
     def stalled(cls, what: str, path: object, waited_s: float) -> StorageFull:
@@ -166,7 +177,8 @@ class StorageFull(Exception):
         """What summary.json says of it."""
         return {
             "reason": self.reason,
-            "writing": self.what,
+            "writing": self.what,  # what was met, whichever the action (kept: the key summary.json has had)
+            "action": self.action,
             "path": self.path,
             "free_bytes": self.free,
             "total_bytes": self.total,

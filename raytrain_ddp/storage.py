@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 
 from raytrain_ddp.data.paths import is_uri
-from raytrain_ddp.errors import ConfigError, StorageFull, one_line
+from raytrain_ddp.errors import STORE_ACTIONS, ConfigError, StorageFull, one_line
 from raytrain_ddp.redact import redact
 
 log = logging.getLogger(__name__)
@@ -149,13 +149,14 @@ class RemotePath:
         retried(self.name, self, lambda: self.fs.create_dir(self.path, recursive=True))
 
     def rmdir(self) -> None:
-        """Like os.rmdir: only an empty directory goes."""
+        """Like os.rmdir: only an empty directory goes (retried, as a write)."""
         if self.exists() and not list(self.iterdir()):
-            self.fs.delete_dir(self.path)
+            retried(self.name, self, lambda: self.fs.delete_dir(self.path), "deleting")
 
     def unlink(self, missing_ok: bool = False) -> None:
+        """Like Path.unlink (retried, as a write)."""
         try:
-            self.fs.delete_file(self.path)
+            retried(self.name, self, lambda: self.fs.delete_file(self.path), "deleting")
         except FileNotFoundError:
             if not missing_ok:
                 raise
@@ -218,15 +219,15 @@ def move_tree(source: RunPath, target: RunPath) -> None:
         return
     assert isinstance(source, RemotePath)
     copy_tree(source, target)
-    source.fs.delete_dir(source.path)
+    remove_tree(source)
 
 
 def remove_tree(where: RunPath) -> None:
-    """Delete a directory (an unfinished checkpoint) and all it holds."""
+    """Delete a directory (an unfinished checkpoint) and all it holds (on object storage retried, as a write)."""
     if isinstance(where, Path):
         shutil.rmtree(where)
     else:
-        where.fs.delete_dir(where.path)
+        retried(where.name, where, lambda: where.fs.delete_dir(where.path), "deleting")
 
 
 def copy_tree(source: RunPath, target: RunPath) -> None:
@@ -342,14 +343,15 @@ def retry_budget_s() -> float:
     return float(os.environ.get(RETRY_BUDGET_ENV, RETRY_BUDGET_S))
 
 
-def retried(what: str, where: RunPath, write: Callable[[], T]) -> T:
-    """Run `write` (writing `what` to `where`) and return what it returns; on object storage retry a transient
-    failure with exponential backoff for up to the retry budget, saying so in one WARNING (not one per attempt). A
-    store that still fails then, or that refuses outright (access denied, no bucket), raises StorageFull: the run
-    ends at once."""
+def retried(what: str, where: RunPath, write: Callable[[], T], action: str = "writing") -> T:
+    """Run `write` (`action`, one of errors.STORE_ACTIONS, `what` at `where`) and return what it returns; on object
+    storage retry a transient failure with exponential backoff for up to the retry budget, saying so in one WARNING
+    (not one per attempt). A store that still fails then, or that refuses outright (access denied, no bucket),
+    raises StorageFull: the run ends at once."""
     if isinstance(where, Path):
         return write()
     deadline, wait, warned = time.monotonic() + retry_budget_s(), RETRY_FIRST_WAIT_S, False
+    done = f"{action.capitalize()} {what} {STORE_ACTIONS[action]} {where}"
     while True:
         try:
             written = write()
@@ -357,19 +359,13 @@ def retried(what: str, where: RunPath, write: Callable[[], T]) -> T:
             raise
         except OSError as err:
             if not transient(err) or time.monotonic() + wait > deadline:
-                raise StorageFull.store_failed(err, what, where) from err
+                raise StorageFull.store_failed(err, what, where, action) from err
             if not warned:
-                log.warning(
-                    "Writing %s to %s failed (%s): retrying for up to %.0f s",
-                    what,
-                    where,
-                    one_line(err),
-                    retry_budget_s(),
-                )
+                log.warning("%s failed (%s): retrying for up to %.0f s", done, one_line(err), retry_budget_s())
                 warned = True
             time.sleep(wait)
             wait = min(2 * wait, RETRY_LONGEST_WAIT_S)
             continue
         if warned:
-            log.info("Writing %s to %s succeeded after retrying", what, where)
+            log.info("%s succeeded after retrying", done)
         return written

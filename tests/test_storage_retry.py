@@ -224,6 +224,44 @@ def test_a_workers_sample_ids_wait_for_a_store_in_trouble(proxy, monkeypatch):
     assert written.tolist() == list(range(8))
 
 
+def test_a_delete_on_a_store_in_trouble_is_retried_and_said_as_a_delete(proxy, caplog, monkeypatch):
+    """Deletes (a launched script's file it removed, an unfinished checkpoint) are retried as writes are, and the
+    warning says what was done: deleting, not writing."""
+    monkeypatch.setenv(RETRY_BUDGET_ENV, "30")
+    target = _run_dir(proxy, "retry-delete") / "checkpoint" / "old.txt"
+    target.write_bytes(b"old")
+    proxy.failures = 40
+    with caplog.at_level(logging.WARNING, logger="raytrain_ddp.storage"):
+        target.unlink()
+    assert proxy.failures == 0 and not target.exists()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "Deleting old.txt from s3://raytrain/retry-delete/checkpoint/old.txt failed ("
+    ), warnings
+
+
+def test_the_download_of_the_checkpoint_a_rank_resumes_from_waits_for_a_store_in_trouble(proxy, monkeypatch, tmp_path):
+    """A rank resuming from a checkpoint on the store downloads it (Ray Train's Checkpoint.as_directory) inside the
+    retry budget: a store in trouble at that moment is waited for, not a rank failure."""
+    import pyarrow.fs
+    from ray.train import Checkpoint
+
+    from raytrain_ddp.checkpoint.saver import loaded, save
+    from raytrain_ddp.checkpoint.state import Position
+    from raytrain_ddp.storage import copy_tree
+
+    monkeypatch.setenv(RETRY_BUDGET_ENV, "30")
+    run_dir = _run_dir(proxy, "retry-resume")
+    training_state, run_info = {"scheduler": {}, "scaler": {}, "world_size": 2}, {"config": {}, "data_spec": {}}
+    save(str(tmp_path), {"weight": torch.ones(2)}, {}, training_state, Position(epoch=3), {}, run_info)
+    copy_tree(tmp_path, run_dir / "checkpoint_1")
+    filesystem, path = pyarrow.fs.FileSystem.from_uri((run_dir / "checkpoint_1").uri)
+    proxy.failures = 100  # more than pyarrow's own retries absorb
+    with loaded(Checkpoint(path, filesystem), run_dir) as state:
+        assert state["epoch"] == 3 and torch.equal(state["model"]["weight"], torch.ones(2))
+    assert proxy.failures == 0
+
+
 def test_a_503_without_a_body_counts_as_passing():
     """A HEAD's 503 has no body, so pyarrow's error names no AWS error, only its status (the words below are
     what the bucket check that starts a checkpoint's upload said, in a run behind the proxy)."""

@@ -45,7 +45,7 @@ from raytrain_ddp.checkpoint.layout import (
 from raytrain_ddp.checkpoint.state import Position, described, plain_state, position_of
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.errors import StorageFull, storage_full_as
-from raytrain_ddp.storage import RunPath, location, retry_budget_s
+from raytrain_ddp.storage import RunPath, location, retried, retry_budget_s
 from raytrain_ddp.worker import strategy
 
 
@@ -142,11 +142,17 @@ def write_full(directory: str, model_state: dict, optimizer_state: dict, plain: 
 
 
 @contextlib.contextmanager
-def loaded(checkpoint: Checkpoint) -> Iterator[dict]:
-    """The state in a Ray Train checkpoint, read on this worker, for the `with` block. A sharded one's model and
-    optimizer stay in its shards: ``state["shards"]`` says where (in the run directory, or a copy Ray Train
-    downloads for the block, shared by the node's ranks, when that is on object storage)."""
-    with checkpoint.as_directory() as directory:
+def loaded(checkpoint: Checkpoint, run_dir: RunPath) -> Iterator[dict]:
+    """The state in a Ray Train checkpoint of `run_dir`, read on this worker, for the `with` block. A sharded one's
+    model and optimizer stay in its shards: ``state["shards"]`` says where (in the run directory, or a copy Ray
+    Train downloads for the block, shared by the node's ranks, when that is on object storage: that download is
+    retried within the storage budget, a store still failing then ends the run as StorageFull)."""
+    with contextlib.ExitStack() as stack:
+
+        def download() -> str:  # a new context each try: a failed one is spent
+            return stack.enter_context(checkpoint.as_directory())
+
+        directory = retried("the checkpoint to resume", run_dir, download, "reading")
         state = load_file(directory)
         if is_sharded(directory):
             state["shards"] = os.path.join(directory, SHARDS_DIR)

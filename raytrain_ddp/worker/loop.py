@@ -316,7 +316,7 @@ class WorkerLoop:
     def resume(self) -> Position:
         """Where training starts: after the checkpoint Ray Train hands over, if any."""
         if (resume_from := ray.train.get_checkpoint()) is not None:
-            with ckpt.loaded(resume_from) as state:
+            with ckpt.loaded(resume_from, self.config.run_dir) as state:
                 self.position = self.trainer.restore(state, self.train_input.resizable)
             log.info("rank %d resumes from %s %s", self.rank, resume_from.path, self.position.resumes())
         log.info("training on %s from epoch %d", self.device, self.position.epoch + 1)
