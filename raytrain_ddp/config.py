@@ -71,7 +71,8 @@ class TrainConfig:
         default=False,
         metadata=_flag(
             "one machine, no Ray cluster: N local processes torchrun-style under Ray Train's local mode "
-            "(no restarts on failure, no multi-node, no Ray dashboard); not built yet (issue 36 item 8)"
+            "(no restarts on failure, no hang watchdog, no Ray dashboard); DDP with full checkpoints on the built-in "
+            "or Parquet data only (docs/launch.md)"
         ),
     )
     # Model and data
@@ -466,9 +467,21 @@ def _check_quick_start(config: TrainConfig) -> None:
             f"--quick-start runs one process per CPU: {plural(config.num_workers, 'worker')} asked, "
             f"this machine has {plural(cpus, 'CPU')}"
         )
-    # the launch path itself (local processes, data shards without Ray Data, a local monitor channel) is the rest
-    # of issue 36 item 8: refused until it is there rather than run silently on the full path
-    raise ConfigError("--quick-start is not built yet (issue 36 item 8); run without it")
+    _check_quick_start_features(config)
+
+
+def _check_quick_start_features(config: TrainConfig) -> None:
+    """What the quick path's ranks do not do (each its own process, no Ray Data, full checkpoints by rank zero)."""
+    if config.strategy == "fsdp" or config.checkpoint_format == "sharded":
+        raise ConfigError(
+            "--quick-start trains with DDP and full checkpoints only; run --strategy fsdp or "
+            "--checkpoint-format sharded without --quick-start"
+        )
+    if is_import_path(config.dataset):
+        raise ConfigError(
+            f"--quick-start reads the data in each rank's own process: a --dataset plug-in ({config.dataset}) "
+            "returns Ray Datasets, which need a Ray cluster; run without --quick-start"
+        )
 
 
 def _check_name(name: str) -> None:

@@ -75,7 +75,21 @@ CASES = [
         ["--quick-start", "--num-workers", str((os.cpu_count() or 1) + 1)],
         f"--quick-start runs one process per CPU: {(os.cpu_count() or 1) + 1} workers asked, this machine has",
     ),
-    ("quick-start-not-built", ["--quick-start"], "--quick-start is not built yet (issue 36 item 8)"),
+    (
+        "quick-start-fsdp",
+        ["--quick-start", "--strategy", "fsdp"],
+        "--quick-start trains with DDP and full checkpoints only; run --strategy fsdp or --checkpoint-format sharded",
+    ),
+    (
+        "quick-start-sharded-checkpoints",
+        ["--quick-start", "--checkpoint-format", "sharded"],
+        "--quick-start trains with DDP and full checkpoints only",
+    ),
+    (
+        "quick-start-dataset-plugin",
+        ["--quick-start", "--dataset", "json:loads"],
+        "--quick-start reads the data in each rank's own process: a --dataset plug-in (json:loads) returns Ray",
+    ),
     ("unknown-optimizer", ["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
     ("not-a-number", ["--epochs", "three"], "argument --epochs: invalid int value: 'three'"),
     ("unknown-flag", ["--num-gpus", "2"], "unrecognized arguments: --num-gpus 2"),
