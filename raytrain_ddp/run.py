@@ -35,6 +35,7 @@ PROG = "python -m raytrain_ddp.run"
 EXAMPLES = """\
 examples:
   %(prog)s --num-workers 2                  # CPU, built-in data and model
+  %(prog)s --num-workers 2 --quick-start    # one machine, no Ray cluster: first step in seconds
   %(prog)s --num-workers 6 --use-gpu        # one worker per GPU, NCCL
   %(prog)s --data /shared/ds --model resnet18 --epochs 10
   %(prog)s --config runs/NAME/config.toml   # repeat a run exactly

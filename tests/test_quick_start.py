@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,6 +125,20 @@ def test_a_quick_run_resumes_from_its_latest_checkpoint(quick_run):
 
 
 @pytest.mark.ray
+def test_the_full_path_resumes_a_quick_runs_checkpoint(quick_run, ray_address, tmp_path):
+    """A copy of the quick run, continued to epoch 3 without --quick-start (on a Ray cluster): Ray Train hands the
+    workers the quick run's latest checkpoint from the snapshot the quick driver kept."""
+    _, run_dir = quick_run
+    shutil.copytree(run_dir, tmp_path / "quick")
+    args = [arg for arg in quick_args(tmp_path, "quick", "--epochs", "3") if arg != "--quick-start"]
+    result = run_cli("raytrain_ddp.run", *args, "--address", ray_address, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resuming from checkpoint" in result.stderr, result.stderr
+    epochs = _records(tmp_path / "quick", "metrics.jsonl")
+    assert [epoch["epoch"] for epoch in epochs] == [1, 2, 3]
+
+
+@pytest.mark.ray
 def test_the_quick_paths_shards_are_the_full_paths_rows_in_the_same_order(ray_address, tabular_data):  # noqa: F811
     """Parquet (row groups read with pyarrow in the rank) and the built-in rows (generated in the rank): every
     rank's train batches of each epoch and its val batches are the Ray Data path's, row for row."""
@@ -207,6 +222,18 @@ def test_ctrl_c_ends_the_ranks_and_exits_130_with_a_summary(tmp_path):
     assert driver.returncode == 130, stderr[-3000:]
     assert "interrupted (Ctrl-C) after " in stderr
     assert json.loads((tmp_path / "interrupted" / "summary.json").read_text())["status"] == "interrupted"
+    assert processes_left(RANK_MODULE, timeout=10) == []
+
+
+def test_usr1_stops_every_rank_at_a_checkpoint_with_exit_75(tmp_path):
+    driver = _start(tmp_path, "stopped")
+    _after_first_epoch(tmp_path / "stopped")
+    driver.send_signal(signal.SIGUSR1)
+    _, stderr = driver.communicate(timeout=120)
+    assert driver.returncode == 75, stderr[-3000:]
+    summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["stop_reason"].startswith("SIGUSR1"), summary
+    assert summary["resume_checkpoint"] == summary["latest_checkpoint"] is not None
     assert processes_left(RANK_MODULE, timeout=10) == []
 
 
