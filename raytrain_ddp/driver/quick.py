@@ -2,8 +2,9 @@
 
 The run is the full path's (driver/fit.py: the lock, the run directory, the console and driver.log, the recorder
 and its table, metrics.jsonl, steps.jsonl, summary.json, the report, the exit codes); what differs is how the
-ranks start and how their news comes back. Here the driver starts one process per rank
-(``python -m raytrain_ddp.worker.quick``, with torchrun's environment), hosts the run's mailbox itself
+ranks start and how their news comes back. Here the ranks are processes of this machine
+(``python -m raytrain_ddp.worker.quick``, with torchrun's environment: driver/rank_processes.py, which the command
+line starts before the driver imports torch), the driver hosts the run's mailbox itself
 (:class:`QuickMonitor`: the RunMonitor's logic, served to the ranks over a loopback connection with an authkey),
 records the checkpoints rank zero writes with Ray Train's own checkpoint manager (the same snapshot: either path
 resumes the other's run), and waits for the processes. Never ``ray.init``: that alone costs seconds.
@@ -15,17 +16,10 @@ watchdog, the Ray dashboard, more than one machine.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
@@ -33,14 +27,15 @@ from typing import Any
 from raytrain_ddp import _ray_compat
 from raytrain_ddp.checkpoint import ranking
 from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.driver import rank_processes
 from raytrain_ddp.driver.monitor import RunMailbox, RunRecorder
+from raytrain_ddp.driver.rank_processes import RankProcess
 from raytrain_ddp.driver.watchdog import POLL_INTERVAL_S, log_progress
 from raytrain_ddp.errors import plural
 from raytrain_ddp.storage import RunPath
 from raytrain_ddp.worker.channel import CALL_TIMEOUT_S, LocalAddress, serve_calls
-from raytrain_ddp.worker.launched import TAIL_LINES, exception_of, rank_log
+from raytrain_ddp.worker.launched import exception_of, rank_log
 from raytrain_ddp.worker.quick import QuickRank
-from raytrain_ddp.worker.script_runner import PARENT_PID_ENV
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -93,77 +88,23 @@ class QuickMonitor:
         self.listener.close()
 
 
-@dataclass
-class QuickRankProcess:
-    rank: int
-    process: subprocess.Popen
-    log_path: Path
-
-    def failure(self, code: int) -> str:
-        """The rank's exit, in one line: its error from its log's last traceback, or the signal that killed it."""
-        where = f"rank {self.rank} (pid {self.process.pid}; {self.log_path})"
-        if code < 0:
-            return f"{where} was killed by {signal.Signals(-code).name}"
-        with self.log_path.open(errors="replace") as lines:
-            error = exception_of(deque((line.rstrip("\n") for line in lines), maxlen=TAIL_LINES))
-        return f"{where} failed: {error or 'no error in its log'} (exit code {code})"
-
-
 def local_run_dir(config: TrainConfig) -> Path:
     run_dir = config.run_dir
     assert isinstance(run_dir, Path), "--quick-start takes a local --storage-path only (config._check_quick_start)"
     return run_dir
 
 
-def start_ranks(config: TrainConfig, args, resume_from: str | None) -> list[QuickRankProcess]:
-    """One process per rank, torchrun's environment, its arguments on stdin; a session of its own each, so a
-    terminal's Ctrl-C reaches the driver alone, which ends them."""
+def start_ranks(config: TrainConfig, args, resume_from: str | None) -> list[RankProcess]:
+    """The ranks (those the command line started early, else new ones), each given its arguments and its log."""
     payload = pickle.dumps(QuickRank(args, resume_from))
-    env = _rank_env(config, args.import_roots)
     (local_run_dir(config) / "logs").mkdir(exist_ok=True)
-    ranks = []
-    for rank in range(config.num_workers):
-        log_path = rank_log(str(config.run_dir), rank)
-        with log_path.open("ab") as log_file:
-            log_file.write(f"--- rank {rank} on {socket.gethostname()}, {time.ctime()} (--quick-start)\n".encode())
-            log_file.flush()
-            process = subprocess.Popen(
-                [sys.executable, "-m", "raytrain_ddp.worker.quick"],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdin=subprocess.PIPE,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        assert process.stdin is not None
-        process.stdin.write(payload)
-        process.stdin.close()
-        ranks.append(QuickRankProcess(rank, process, log_path))
+    ranks = rank_processes.take(config)
+    for rank in ranks:
+        rank.begin(payload, rank_log(str(config.run_dir), rank.rank))
     return ranks
 
 
-def _rank_env(config: TrainConfig, import_roots) -> dict[str, str]:
-    """torchrun's environment for this machine's ranks (RANK and LOCAL_RANK added per rank)."""
-    with socket.socket() as probe:  # a free port for the process group's rendezvous, as torchrun picks one
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    paths = [*import_roots, *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
-    env = {
-        **os.environ,
-        "WORLD_SIZE": str(config.num_workers),
-        "LOCAL_WORLD_SIZE": str(config.num_workers),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        PARENT_PID_ENV: str(os.getpid()),
-        "PYTHONPATH": os.pathsep.join(paths),
-    }
-    env.setdefault("OMP_NUM_THREADS", str(max(1, int(config.cpus_per_worker))))  # as Ray Train sets it per worker
-    if not config.use_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # local mode picks NCCL wherever CUDA is visible
-    return env
-
-
-def wait_for(ranks: list[QuickRankProcess], lock) -> str | None:
+def wait_for(ranks: list[RankProcess], lock) -> str | None:
     """Until every rank has exited: None when all succeeded, else the first failure's line (the others are ended:
     a group that lost a rank cannot go on). Another driver that took the run directory over ends them too."""
     while True:
@@ -172,20 +113,20 @@ def wait_for(ranks: list[QuickRankProcess], lock) -> str | None:
         if failed:
             # a killed rank first: the others' errors are usually the lost peer's echo
             first = min(failed, key=lambda rank: (codes[rank.rank] >= 0, rank.rank))
-            return first.failure(codes[first.rank])
+            first.output_done()
+            return rank_processes.failure_of(first, codes[first.rank], exception_of(first.tail))
         if all(code == 0 for code in codes.values()) or lock.taken_over.is_set():
             return None
         time.sleep(RANK_POLL_S)
 
 
-def end_ranks(ranks: list[QuickRankProcess]) -> None:
+def end_ranks(ranks: list[RankProcess]) -> None:
     """SIGKILL the ranks still running (a failed run's, or after a Ctrl-C: their last checkpoint is the resume
-    point, as the full path's are ended with their controller), and reap them."""
+    point, as the full path's are ended with their controller), reaped, their output all in their logs."""
     for rank in ranks:
-        if rank.process.poll() is None:
-            rank.process.kill()
+        rank.end()
     for rank in ranks:
-        rank.process.wait()
+        rank.output_done()
 
 
 def drain_until(monitor: QuickMonitor, recorder: RunRecorder, stop: threading.Event) -> None:
