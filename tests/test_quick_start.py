@@ -58,6 +58,7 @@ def test_a_quick_run_trains_and_prints_the_table_without_a_ray_cluster(quick_run
     assert "Global batch = 64 per worker x 2 workers = 128" in said
     assert "train loss (min..max over ranks)" in said and f"Finished {EPOCHS} epochs in " in said
     assert (run_dir / "logs" / "rank-0.log").exists() and (run_dir / "logs" / "rank-1.log").exists()
+    assert not (run_dir / "ray-logs").exists()  # made when the driver is connected to a Ray: it never was
 
 
 def test_a_quick_run_writes_the_full_paths_records(quick_run):
