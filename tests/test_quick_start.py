@@ -127,16 +127,17 @@ def test_a_quick_run_resumes_from_its_latest_checkpoint(quick_run):
 
 @pytest.mark.ray
 def test_the_full_path_resumes_a_quick_runs_checkpoint(quick_run, ray_address, tmp_path):
-    """A copy of the quick run, continued to epoch 3 without --quick-start (on a Ray cluster): Ray Train hands the
-    workers the quick run's latest checkpoint from the snapshot the quick driver kept."""
+    """A copy of the quick run, continued one more epoch without --quick-start (on a Ray cluster): Ray Train hands
+    the workers the quick run's latest checkpoint from the snapshot the quick driver kept."""
     _, run_dir = quick_run
     shutil.copytree(run_dir, tmp_path / "quick")
-    args = [arg for arg in quick_args(tmp_path, "quick", "--epochs", "3") if arg != "--quick-start"]
-    result = run_cli("raytrain_ddp.run", *args, "--address", ray_address, timeout=300)
+    done = json.loads((run_dir / "summary.json").read_text())["epochs_completed"]
+    more = quick_args(tmp_path, "quick", "--epochs", str(done + 1))
+    result = run_cli("raytrain_ddp.run", *[a for a in more if a != "--quick-start"], "--address", ray_address)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resuming from checkpoint" in result.stderr, result.stderr
     epochs = _records(tmp_path / "quick", "metrics.jsonl")
-    assert [epoch["epoch"] for epoch in epochs] == [1, 2, 3]
+    assert [epoch["epoch"] for epoch in epochs] == list(range(1, done + 2))
 
 
 @pytest.mark.ray
