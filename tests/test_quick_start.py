@@ -216,6 +216,16 @@ def test_a_killed_rank_ends_the_run_in_one_line_naming_it_with_exit_1(tmp_path):
     assert processes_left(RANK_MODULE, timeout=10) == []
 
 
+def test_a_rank_that_raises_ends_the_run_in_one_line_with_its_error_and_exit_1(tmp_path):
+    """A learning rate that blows the loss up: the ranks raise at the epoch's loss check; the run's one line names
+    the first rank with the error its output's traceback ends with."""
+    args = quick_args(tmp_path, "diverged", "--epochs", "1", "--train-size", "512", "--lr", "1e12")
+    result = run_cli("raytrain_ddp.run", *args, timeout=300)
+    line = one_failure_line(result, exit_code=1)
+    assert line.startswith("Training failed: rank 0 (pid "), line
+    assert "failed: FloatingPointError: training loss is " in line and line.endswith("(exit code 1)"), line
+
+
 def test_ctrl_c_ends_the_ranks_and_exits_130_with_a_summary(tmp_path):
     driver = _start(tmp_path, "interrupted")
     _after_first_epoch(tmp_path / "interrupted")

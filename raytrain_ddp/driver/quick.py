@@ -55,7 +55,8 @@ class QuickMonitor:
 
     def __init__(self, config: TrainConfig, data_kind: str) -> None:
         self.mailbox = RunMailbox()
-        self.lock = threading.Lock()
+        # re-entrant: a stop signal's handler posts request_stop on the main thread, which may hold it (result())
+        self.lock = threading.RLock()
         run_dir = local_run_dir(config)
         retention = ranking.retention(config, data_kind)
         self.checkpoints = _ray_compat.local_checkpoint_manager(str(run_dir.parent), run_dir.name, retention)
