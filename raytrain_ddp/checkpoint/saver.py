@@ -110,7 +110,8 @@ class FullSaver(Saver):
     ) -> None:
         if self.rank != 0:
             reporting()
-            ray.train.report(metrics, checkpoint=None)
+            if self.register is None:  # --quick-start's ranks have no controller to report to
+                ray.train.report(metrics, checkpoint=None)
             return
         what = described(position_of(plain))
         if self.register is not None:
