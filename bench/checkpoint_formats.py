@@ -26,13 +26,31 @@ from pathlib import Path
 VOCAB, LENGTH, BATCH = 256, 64, 4
 
 
+def _checkpoint_once(fmt: str, rank: int, model, optimizer, saver, run_dir: Path) -> None:
+    """One checkpoint in `fmt` ("none": the same training without one, for the memory it takes by itself)."""
+    from raytrain_ddp.checkpoint.layout import new_checkpoint_name
+    from raytrain_ddp.checkpoint.saver import save
+    from raytrain_ddp.checkpoint.state import Position, plain_state
+    from raytrain_ddp.worker import strategy
+
+    training_state, run_info = {"scheduler": {}, "scaler": {}, "world_size": 2}, {"config": {}, "data_spec": {}}
+    if fmt == "none":
+        return
+    if saver is not None:
+        saver.save(*strategy.sharded_state(model, optimizer), plain_state(training_state, Position(), {}, run_info), {})
+        return
+    model_state, optimizer_state = strategy.full_state(model, optimizer)
+    if rank == 0:
+        directory = run_dir / new_checkpoint_name()
+        directory.mkdir()
+        save(str(directory), model_state, optimizer_state, training_state, Position(), {}, run_info)
+
+
 def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_ddp.checkpoint.layout import new_checkpoint_name
-    from raytrain_ddp.checkpoint.saver import ShardedSaver, save
-    from raytrain_ddp.checkpoint.state import Position, plain_state
+    from raytrain_ddp.checkpoint.saver import ShardedSaver
     from raytrain_ddp.config import TrainConfig
     from raytrain_ddp.models import TransformerLM
     from raytrain_ddp.worker import strategy
@@ -56,23 +74,11 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
 
     train(1)
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss: KiB)
-    training_state, run_info = {"scheduler": {}, "scaler": {}, "world_size": 2}, {"config": {}, "data_spec": {}}
-    plain = plain_state(training_state, Position(), {}, run_info)
     blocked = []
     for _ in range(args["saves"]):
         dist.barrier()
         started = time.perf_counter()
-        if fmt == "none":  # the same training without checkpoints: the memory it takes by itself
-            pass
-        elif saver is not None:
-            saver.save(*strategy.sharded_state(model, optimizer), plain, {})
-        else:
-            model_state, optimizer_state = strategy.full_state(model, optimizer)
-            if rank == 0:
-                directory = run_dir / new_checkpoint_name()
-                directory.mkdir()
-                save(str(directory), model_state, optimizer_state, training_state, Position(), {}, run_info)
-            del model_state, optimizer_state
+        _checkpoint_once(fmt, rank, model, optimizer, saver, run_dir)
         blocked.append(time.perf_counter() - started)
         train(args["steps"])
     waited = time.perf_counter()
@@ -81,18 +87,8 @@ def _rank(rank: int, fmt: str, args: dict, store: str, out: str) -> None:
     final_wait = time.perf_counter() - waited
     if rank == 0:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        Path(out).write_text(
-            json.dumps(
-                {
-                    "format": fmt,
-                    "parameters": parameters,
-                    "blocked_s": blocked,
-                    "final_wait_s": final_wait,
-                    "rank0_rss_before_gib": baseline_rss,
-                    "rank0_peak_rss_gib": peak,
-                }
-            )
-        )
+        figures = {"format": fmt, "parameters": parameters, "blocked_s": blocked, "final_wait_s": final_wait}
+        Path(out).write_text(json.dumps({**figures, "rank0_rss_before_gib": baseline_rss, "rank0_peak_rss_gib": peak}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -214,7 +214,17 @@ class Check:
         }
 
 
-def main(argv: list[str] | None = None) -> int:
+RESNET_RUN = (
+    *("--model", "resnet18", "--precision", "bf16", "--channels-last"),
+    *("--epochs", "2", "--train-size", "8192", "--val-size", "1024", "--batch-size", "256"),
+)
+FSDP_RUN = (
+    *("--model", "transformer", "--dataset", "synthetic-tokens", "--strategy", "fsdp", "--precision", "bf16"),
+    *("--optimizer", "adamw", "--lr", "0.003", "--epochs", "2", "--train-size", "8192", "--val-size", "1024"),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"), help="where results go")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help=argparse.SUPPRESS)
@@ -224,7 +234,32 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="unpack the carried Ray parts present into /tmp/raytrain-site and stop",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run_steps(check: Check, out: Path) -> None:
+    """The steps in order, each within its share of the deadline; results into check.results."""
+    check.results["environment"] = environment()
+    started = time.monotonic()
+    check.env.update(ray_env(SITE))
+    check.results["setup"] = {"ok": True, "seconds": round(time.monotonic() - started, 1)}
+    done = check.run("sync", [sys.executable, "-m", "bench.gpu_check", "--count-syncs"], 0.15)
+    if done is not None and done.returncode == 0:
+        check.results["sync"].update(json.loads(done.stdout.strip().splitlines()[-1]))
+    check.train("resnet", 0.25, *RESNET_RUN)
+    check.train("fsdp", 0.3, *FSDP_RUN)
+    check.evaluate()
+    bench_json = out / "resnet50.json"
+    deadline = str(max(check.left() - 20, 10))
+    check.run(
+        "resnet50", [sys.executable, "bench/gpu_resnet50.py", "--json", str(bench_json), "--deadline-s", deadline]
+    )
+    if bench_json.exists():
+        check.results["resnet50"].update(json.loads(bench_json.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.setup_only:
         print(json.dumps(ray_env(SITE)))
         return 0
@@ -239,67 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, args.deadline_s)
-    check.results["environment"] = environment()
-    started = time.monotonic()
-    check.env.update(ray_env(SITE))
-    check.results["setup"] = {"ok": True, "seconds": round(time.monotonic() - started, 1)}
-    done = check.run("sync", [sys.executable, "-m", "bench.gpu_check", "--count-syncs"], 0.15)
-    if done is not None and done.returncode == 0:
-        check.results["sync"].update(json.loads(done.stdout.strip().splitlines()[-1]))
-    check.train(
-        "resnet",
-        0.25,
-        "--model",
-        "resnet18",
-        "--precision",
-        "bf16",
-        "--channels-last",
-        "--epochs",
-        "2",
-        "--train-size",
-        "8192",
-        "--val-size",
-        "1024",
-        "--batch-size",
-        "256",
-    )
-    check.train(
-        "fsdp",
-        0.3,
-        "--model",
-        "transformer",
-        "--dataset",
-        "synthetic-tokens",
-        "--strategy",
-        "fsdp",
-        "--precision",
-        "bf16",
-        "--optimizer",
-        "adamw",
-        "--lr",
-        "0.003",
-        "--epochs",
-        "2",
-        "--train-size",
-        "8192",
-        "--val-size",
-        "1024",
-    )
-    check.evaluate()
-    bench_json = out / "resnet50.json"
-    done = check.run(
-        "resnet50",
-        [
-            sys.executable,
-            "bench/gpu_resnet50.py",
-            "--json",
-            str(bench_json),
-            "--deadline-s",
-            str(max(check.left() - 20, 10)),
-        ],
-    )
-    if bench_json.exists():
-        check.results["resnet50"].update(json.loads(bench_json.read_text()))
+    _run_steps(check, out)
     (out / "gpu_check.json").write_text(json.dumps(check.results, indent=2) + "\n")
     print("| step | ok | seconds | found |\n|---|---|---|---|")
     for name, found in check.results.items():

@@ -155,6 +155,21 @@ def plain_subprocess(args, data: str, work: Path, ends: float) -> float:
     return json.loads(out.read_text())["images_per_s"]
 
 
+def _imagenet_sized_parquet(train_size: int, work: Path) -> str:
+    """The built-in images blown up to 224 px (uint8 NCHW, raw) as Parquet, 10% of them validation."""
+    import numpy as np
+
+    from raytrain_ddp.data import synthetic
+    from raytrain_ddp.data.prepare import from_arrays
+
+    rows = synthetic.image_rows(np.arange(round(train_size / 0.9)), 0)
+    images = rows["image"].repeat(7, axis=2).repeat(7, axis=3)  # 32 -> 224 px
+    parquet = str(work / "parquet")
+    labels = [str(c) for c in range(10)]
+    from_arrays(images, rows["label"], labels, parquet, val_fraction=0.1, layout="NCHW", encoding="raw")
+    return parquet
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--train-size", type=int, default=8192)
@@ -184,11 +199,6 @@ def main() -> int:
         plain(args)
         return 0
 
-    import numpy as np
-
-    from raytrain_ddp.data import synthetic
-    from raytrain_ddp.data.prepare import from_arrays
-
     results: dict = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
@@ -201,12 +211,7 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory(prefix="raytrain-gpu-bench-") as tmp:
         work = Path(tmp)
-        rows = synthetic.image_rows(np.arange(round(args.train_size / 0.9)), 0)
-        images = rows["image"].repeat(7, axis=2).repeat(7, axis=3)  # 32 -> 224 px, uint8 NCHW
-        parquet = str(work / "parquet")
-        from_arrays(
-            images, rows["label"], [str(c) for c in range(10)], parquet, val_fraction=0.1, layout="NCHW", encoding="raw"
-        )
+        parquet = _imagenet_sized_parquet(args.train_size, work)
         results["ours"] = ours(args, parquet, work, ends)
         results["plain"] = plain_subprocess(args, parquet, work, ends)
         results["ratio"] = results["ours"] / results["plain"]

@@ -98,6 +98,15 @@ class DataReadError(Exception):
         return type(self), (self.where, self.cause, self.corrupt)
 
 
+def causes(error: BaseException | None) -> Iterator[BaseException]:
+    """The error and what it wraps (Ray's task errors, exception chains, a script's error raised from ours)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
+
+
 def full_storage_error(error: BaseException) -> OSError | None:
     """The full-disk, over-quota or read-only OSError in `error` or what it chains to (torch.save raises a RuntimeError
     whose context is the file's OSError; DCP's CheckpointException holds each rank's (error, traceback) in

@@ -15,6 +15,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -43,17 +44,20 @@ FAULTS = "/raytrain-test-faults/"  # the proxy's own requests: another process (
 class FaultyProxy(http.server.ThreadingHTTPServer):
     """Forwards every request to the S3 server, except: the next `failures` requests get 503 SlowDown; until
     `slow_until` (time.monotonic) every request does (a store in trouble for a while); while `down`, every
-    request's connection is closed unanswered (a store that stopped). GET FAULTS + "slow-down/SECONDS" or
-    FAULTS + "down" sets the last two from another process, FAULTS + "up" ends either."""
+    request's connection is closed unanswered (a store that stopped); every write (PUT, POST) to a key that holds
+    `refused_writes` gets 503 SlowDown (one object the store will not take). GET FAULTS + "slow-down/SECONDS" or
+    FAULTS + "down" sets two of them from another process, FAULTS + "up" ends either."""
 
     def __init__(self, upstream: str) -> None:
         super().__init__(("127.0.0.1", 0), _Forward)
         self.upstream, self.failures, self.lock = urlsplit(upstream).netloc, 0, threading.Lock()
-        self.slow_until, self.down = 0.0, False
+        self.slow_until, self.down, self.refused_writes = 0.0, False, ""
 
-    def take_failure(self) -> bool:
+    def take_failure(self, method: str, path: str) -> bool:
         with self.lock:
             if time.monotonic() < self.slow_until:
+                return True
+            if self.refused_writes and method in ("PUT", "POST") and self.refused_writes in path:
                 return True
             if self.failures <= 0:
                 return False
@@ -86,7 +90,7 @@ class _Forward(http.server.BaseHTTPRequestHandler):
         if self.server.down:  # nothing answered: the client's connection ends (curl: "Server returned nothing")
             self.close_connection = True
             return
-        if self.server.take_failure():
+        if self.server.take_failure(self.command, self.path):
             self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN)
             return
         upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
@@ -346,3 +350,50 @@ def test_a_store_gone_mid_run_keeps_the_latest_whole_checkpoint_and_the_same_com
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Resuming from checkpoint " in again.stderr, again.stderr[-3000:]
     assert after["epochs"] == [1, 2] and after["summary"]["status"] == "finished", after
+
+
+@pytest.mark.ray
+def test_a_store_that_refuses_ray_trains_own_records_ends_the_run_once_in_one_line(ray_address, s3_server, proxy):
+    """Ray Train's controller writes the run's checkpoint records (checkpoint_manager_snapshot.json) itself, with no
+    retry of ours: a store that refuses them ends the run as a store that is gone does (exit 74, one line naming
+    what was written), not as exit 1 with Ray's traceback."""
+    proxy.refused_writes = _ray_compat.SNAPSHOT_FILE
+    result = run_cli("raytrain_ddp.run", *_train(ray_address, proxy, "records-refused"))
+    said = one_failure_line(result, EXIT_STORAGE_FULL)
+    assert re.fullmatch(
+        r"Training failed: storage failed: the object store failed \(.+\) writing Ray Train's checkpoint records to "
+        r"s3://raytrain/store-faults/records-refused; bring the store back \(or fix its access\) and run the same "
+        r"command again to resume",
+        said,
+    ), said
+    assert "Traceback" not in result.stderr and "restarted the workers" not in result.stderr, result.stderr[-3000:]
+    summary = json.loads((_bucket(s3_server) / "records-refused" / "summary.json").read_text())
+    assert summary["restarts"] == 0 and summary["storage_full"]["writing"] == "Ray Train's checkpoint records", summary
+
+
+@pytest.mark.ray
+def test_a_launched_scripts_checkpoint_upload_that_the_store_refuses_ends_the_run_with_exit_code_74(
+    ray_address, s3_server, proxy
+):
+    """A script's session.report uploads its checkpoint folder (rank 0, with object storage) inside the retry
+    budget; a store that keeps refusing it ends the run as storage (exit 74, the one line), not as a rank's
+    failure restarted (--max-restarts 2) and ended with exit 1."""
+    proxy.refused_writes = "checkpoint/snapshot.txt"
+    host, port = proxy.server_address[:2]
+    storage = f"s3://raytrain/store-faults?endpoint_override=http://{host}:{port}&scheme=http"
+    script = Path(__file__).parent / "scripts" / "uploads_to_a_refusing_store.py"
+    result = run_cli(
+        "raytrain_ddp.launch",
+        *("--address", ray_address, "--storage-path", storage, "--name", "script-refused", "--num-workers", "2"),
+        *("--max-restarts", "2", str(script)),
+        env={RETRY_BUDGET_ENV: "2"},
+    )
+    said = one_failure_line(result, EXIT_STORAGE_FULL)
+    assert re.fullmatch(
+        r"Training failed: storage failed: the object store failed \(.+\) writing snapshot.txt to "
+        r"s3://raytrain/store-faults/script-refused/checkpoint/snapshot.txt; bring the store back \(or fix its "
+        r"access\) and run the same command again to resume",
+        said,
+    ), said
+    summary = json.loads((_bucket(s3_server) / "script-refused" / "summary.json").read_text())
+    assert summary["restarts"] == 0, summary

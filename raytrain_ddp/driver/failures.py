@@ -22,10 +22,12 @@ from raytrain_ddp.errors import (
     ScriptFailed,
     ScriptKilled,
     StorageFull,
+    causes,
     failure_line,
     full_storage_error,
     named,
 )
+from raytrain_ddp.storage import RemotePath
 
 # Python errors of the code and its input, not of the machine: the same weights and rows raise them again.
 DETERMINISTIC_TYPES = (
@@ -57,18 +59,9 @@ PROCESS_LOST_TYPES = (
 )
 
 
-def _causes(error: BaseException):
-    """The error and what it wraps (Ray's task errors, exception chains)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = getattr(error, "cause", None) or error.__cause__ or error.__context__
-
-
 def is_deterministic(error: BaseException) -> bool:
-    causes = list(_causes(error))
-    if any(isinstance(c, PROCESS_LOST_TYPES) for c in causes):
+    chain = list(causes(error))
+    if any(isinstance(c, PROCESS_LOST_TYPES) for c in chain):
         return False
     return any(
         isinstance(c, DETERMINISTIC_TYPES)
@@ -76,7 +69,7 @@ def is_deterministic(error: BaseException) -> bool:
         or (isinstance(c, DataReadError) and c.corrupt)
         or isinstance(c, StorageFull)
         or full_storage_error(c) is not None
-        for c in causes
+        for c in chain
     )
 
 
@@ -84,7 +77,7 @@ def may_retry(error: BaseException) -> bool:
     """False for a worker-group failure that every attempt would repeat (no process of it was lost)."""
     if isinstance(error, WorkerGroupError):
         failures = list(error.worker_failures.values())
-        lost = any(isinstance(c, PROCESS_LOST_TYPES) for f in failures for c in _causes(f))
+        lost = any(isinstance(c, PROCESS_LOST_TYPES) for f in failures for c in causes(f))
         return lost or not any(is_deterministic(f) for f in failures)
     return True
 
@@ -114,16 +107,23 @@ def _first_script_failure(failures: dict[int, ScriptFailed]) -> str:
     return f"rank {first}: {failure_line(failures[first])}{then}"
 
 
+RAY_TRAIN_RECORDS = "Ray Train's checkpoint records"  # what its controller writes: the snapshot, deletes past --keep
+
+
 def storage_full_in(error: BaseException, run_dir: object) -> StorageFull | None:
     """The full (or read-only) storage that ended the run (a rank's StorageFull, or a write of Ray Train's own
-    into `run_dir`), else None: storage, not a rank, failed, so it is told alone."""
+    into `run_dir`), else None: storage, not a rank, failed, so it is told alone. Ray Train's controller writes
+    to an object store unretried: any OSError of its own there is the store's (a rank's is the rank's)."""
+    ranks = isinstance(error, WorkerGroupError)
     failures = list(error.worker_failures.values()) if isinstance(error, WorkerGroupError) else [error]
     for failure in failures:
-        for cause in _causes(_unwrapped(failure)):
+        for cause in causes(_unwrapped(failure)):
             if isinstance(cause, StorageFull):
                 return cause
             if (full := full_storage_error(cause)) is not None:
                 return StorageFull.of(full, "the run's files", full.filename or run_dir)
+            if not ranks and isinstance(run_dir, RemotePath) and isinstance(cause, OSError):
+                return StorageFull.store_failed(cause, RAY_TRAIN_RECORDS, run_dir)
     return None
 
 

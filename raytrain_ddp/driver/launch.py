@@ -11,7 +11,7 @@ import logging
 import os
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray import cloudpickle
@@ -24,6 +24,7 @@ from raytrain_ddp.launch import LAUNCH_FIELDS
 from raytrain_ddp.plugins import import_root
 from raytrain_ddp.storage import RunPath, uri_of
 from raytrain_ddp.summary import RunSummary
+from raytrain_ddp.worker.args import LaunchArgs
 from raytrain_ddp.worker.launched import rank_log, run_function_per_worker, run_script_per_worker
 
 log = logging.getLogger("raytrain_ddp")
@@ -96,20 +97,18 @@ class LaunchedWork:
 
     def trainer_parts(self, config: TrainConfig, monitor) -> tuple:
         """Ray Train's training function and its config; no datasets."""
-        loop_config = {"monitor": monitor, "run_dir": uri_of(config.run_dir), "run_name": config.name, "tee": self.tee}
+        args = LaunchArgs(monitor, uri_of(config.run_dir), config.name, self.tee)
         if self.script:
-            loop_config |= {
-                "script": self.script,
-                "script_args": self.script_args,
-                "environment": self.environment,
-                "cwd": self.cwd,
-            }
-            return run_script_per_worker, loop_config, {}, None
+            script_args = tuple(self.script_args)
+            args = replace(
+                args, script=self.script, script_args=script_args, environment=self.environment, cwd=self.cwd
+            )
+            return run_script_per_worker, args.to_loop_config(), {}, None
         # pickled here, unpickled on the worker once the function's module is on its path (a Ray this process
         # joined or started before had no say in its workers' PYTHONPATH)
         function = cloudpickle.dumps((self.function, self.function_args))
-        loop_config |= {"function": function, "import_roots": self.import_roots}
-        return run_function_per_worker, loop_config, {}, None
+        args = replace(args, pickled_function=function, import_roots=tuple(self.import_roots))
+        return run_function_per_worker, args.to_loop_config(), {}, None
 
     def summary_fields(self, recorder) -> dict:
         """What the built-in loop's summary says of epochs, batches and checkpoints is the script's own business

@@ -1,10 +1,11 @@
-"""What the driver hands every rank of the built-in loop: one picklable :class:`WorkerArgs` (Ray Train's
-`train_loop_config` carries it under one key), written by driver/fit.py and read by worker/loop.py."""
+"""What the driver hands every rank, one picklable value under one key of Ray Train's `train_loop_config`:
+:class:`WorkerArgs` for the built-in loop (written by driver/fit.py, read by worker/loop.py), :class:`LaunchArgs`
+for a launched script or function (driver/launch.py, worker/launched.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray import cloudpickle
@@ -60,3 +61,32 @@ class WorkerArgs:
     def user_code(self) -> UserCode:
         add_import_roots(list(self.import_roots))
         return cloudpickle.loads(self.pickled_code)
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """A launched script's (`script` and its arguments, run in `cwd` with the caller's `environment`) or function's
+    (`pickled_function`: cloudpickled (function, args), unpickled once `import_roots` are on the worker's path),
+    with the driver's monitor, the run directory's URI and whose output the console shows (`tee`: "0" or "all")."""
+
+    monitor: Any
+    run_dir: str
+    run_name: str
+    tee: str
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    environment: dict[str, str] = field(default_factory=dict)
+    cwd: str = ""
+    pickled_function: bytes = b""
+    import_roots: tuple[str, ...] = ()
+
+    def to_loop_config(self) -> dict:
+        return {LOOP_CONFIG_KEY: self}
+
+    @staticmethod
+    def from_loop_config(loop_config: dict) -> LaunchArgs:
+        return loop_config[LOOP_CONFIG_KEY]
+
+    def function_and_args(self) -> tuple[Callable, Any]:
+        add_import_roots(list(self.import_roots))
+        return cloudpickle.loads(self.pickled_function)

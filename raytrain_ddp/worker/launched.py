@@ -34,12 +34,11 @@ from pathlib import Path
 import ray
 import ray.train
 import ray.train.collective
-from ray import cloudpickle
 
 from raytrain_ddp import session
 from raytrain_ddp.errors import ScriptFailed, ScriptKilled, StorageFull
-from raytrain_ddp.plugins import add_import_roots
 from raytrain_ddp.storage import RemotePath, Spool, copy_tree, file_states, location
+from raytrain_ddp.worker.args import LaunchArgs
 from raytrain_ddp.worker.channel import RayChannel
 from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
 from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK, STORAGE_FULL_NOTE
@@ -97,12 +96,12 @@ class Supervisor:
     """One rank's beat: its progress (reports, output, CPU time) and its reports to the driver; a stop request
     passed on."""
 
-    def __init__(self, loop_config: dict, on_stop: Callable[[str], None]) -> None:
+    def __init__(self, args: LaunchArgs, on_stop: Callable[[str], None]) -> None:
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.local_rank, self.node_rank = context.get_local_rank(), context.get_node_rank()
         self.local_world_size = context.get_local_world_size()
-        self.monitor, self.run_dir = loop_config["monitor"], location(loop_config["run_dir"])
+        self.monitor, self.run_dir = args.monitor, location(args.run_dir)
         self.logs = Spool(self.run_dir / "logs", fetch=(rank_log("", self.rank).name,))
         self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
         self.checkpoint = self._local_checkpoint()
@@ -224,7 +223,7 @@ def _master_address() -> tuple[str, int]:
     return tuple(ray.train.collective.broadcast_from_rank_zero(chosen))
 
 
-def _script_env(loop_config: dict, supervisor: Supervisor, master_addr: str, master_port: int) -> dict[str, str]:
+def _script_env(args: LaunchArgs, supervisor: Supervisor, master_addr: str, master_port: int) -> dict[str, str]:
     """The script's environment: the caller's, torchrun's variables, the session's."""
     torchrun_env = {
         "RANK": supervisor.rank,
@@ -235,10 +234,10 @@ def _script_env(loop_config: dict, supervisor: Supervisor, master_addr: str, mas
         "GROUP_RANK": supervisor.node_rank,  # torchrun's name for it (Lightning reads it)
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": master_port,
-        "TORCHELASTIC_RUN_ID": loop_config["run_name"],  # how Lightning and others tell a torchrun launch
+        "TORCHELASTIC_RUN_ID": args.run_name,  # how Lightning and others tell a torchrun launch
     }
     env = {
-        **loop_config["environment"],  # the caller's, as torchrun's children inherit it
+        **args.environment,  # the caller's, as torchrun's children inherit it
         **{key: str(value) for key, value in torchrun_env.items()},
         **supervisor.session_env(),
         PARENT_PID_ENV: str(os.getpid()),
@@ -252,7 +251,8 @@ def _script_env(loop_config: dict, supervisor: Supervisor, master_addr: str, mas
 
 def run_script_per_worker(loop_config: dict) -> None:
     """Ray Train's training function for a script: run it on this rank, return when it exits well."""
-    script, args = loop_config["script"], loop_config["script_args"]
+    args = LaunchArgs.from_loop_config(loop_config)
+    assert args.script is not None
     master_addr, master_port = _master_address()
     child: subprocess.Popen | None = None
 
@@ -260,12 +260,12 @@ def run_script_per_worker(loop_config: dict) -> None:
         if child is not None and child.poll() is None:
             child.send_signal(_stop_signal(reason))
 
-    supervisor = Supervisor(loop_config, pass_stop)
-    env = _script_env(loop_config, supervisor, master_addr, master_port)
-    cwd = loop_config["cwd"] if os.path.isdir(loop_config["cwd"]) else os.path.dirname(script)
+    supervisor = Supervisor(args, pass_stop)
+    env = _script_env(args, supervisor, master_addr, master_port)
+    cwd = args.cwd if os.path.isdir(args.cwd) else os.path.dirname(args.script)
     log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", script, *args]
+    command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", args.script, *args.script_args]
     # a session of its own, as torchrun starts its workers: a terminal's Ctrl-C reaches it once, passed on by the
     # driver (which then gives it a grace period), not also straight from the terminal
     child = subprocess.Popen(
@@ -273,7 +273,7 @@ def run_script_per_worker(loop_config: dict) -> None:
     )
     supervisor.cpu_of = lambda: _cpu_ticks(child.pid)
     supervisor.announce(stack_pid=child.pid)
-    teed = loop_config["tee"] == "all" or supervisor.rank == 0
+    teed = args.tee == "all" or supervisor.rank == 0
     tail = _pump_output(child, log_path, supervisor, teed)
     returncode, exited_at = child.wait(), time.time()
     supervisor.finish()
@@ -346,17 +346,17 @@ def exception_of(lines: collections.deque) -> str | None:
 def run_function_per_worker(loop_config: dict) -> None:
     """Ray Train's training function for a user's function: call it here, in the process group Ray Train set
     up, with the session of a launched script."""
-    supervisor = Supervisor(loop_config, on_stop=lambda reason: None)  # should_stop() reads the channel's flag
+    args = LaunchArgs.from_loop_config(loop_config)
+    supervisor = Supervisor(args, on_stop=lambda reason: None)  # should_stop() reads the channel's flag
     supervisor.announce(stack_pid=None)  # its main thread is Ray's, not the function's: no stack to read
     os.environ.update(supervisor.session_env())
-    add_import_roots(loop_config["import_roots"])
-    function, args = cloudpickle.loads(loop_config["function"])
+    function, function_args = args.function_and_args()
     log_path = supervisor.logs.local / rank_log("", supervisor.rank).name
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    teed = loop_config["tee"] == "all" or supervisor.rank == 0
+    teed = args.tee == "all" or supervisor.rank == 0
     try:
         with log_path.open("a") as log_file, contextlib.redirect_stdout(_RankOutput(supervisor, log_file, teed)):
-            function() if args is None else function(args)
+            function() if function_args is None else function(function_args)
     finally:
         session.upload_checkpoint()
         supervisor.finish()

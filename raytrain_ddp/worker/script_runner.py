@@ -89,28 +89,31 @@ def main() -> None:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT`: its folder, not ours
     try:
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        finally:
+            upload_checkpoint()  # however it ended, what it saved is in the store (with object storage)
     except Exception as error:  # shown as Python shows the script's own: its frames only, exit code 1
         trimmed = error.with_traceback(_from_script(error.__traceback__, os.path.abspath(script)))
         sys.excepthook(type(error), trimmed, trimmed.__traceback__)  # torch's hook reads the error's own
         _note_storage_full(error, channel)
         sys.exit(1)
-    finally:
-        upload_checkpoint()  # however it ended, what it saved is in the store (with object storage)
 
 
-def _note_storage_full(error: Exception, channel: str | None) -> None:
+def _note_storage_full(error: BaseException, channel: str | None) -> None:
     """A script that died of a full disk, a quota or a read-only mount (an OSError that says so, or its checkpoint
-    folder's file system refusing a MiB now: torch.save loses the errno) leaves a StorageFull in its session
-    folder: the run ends on it (exit 74) instead of restarting ranks that would fail the same way."""
+    folder's file system refusing a MiB now: torch.save loses the errno), or of a store that refused its checkpoint
+    folder's upload (the session's StorageFull), leaves that StorageFull in its session folder: the run ends on it
+    (exit 74) instead of restarting ranks that would fail the same way."""
     folder = os.environ.get(CHECKPOINT_DIR_ENV)
     if not channel or not folder:
         return
-    from raytrain_ddp.errors import StorageFull, full_storage_error, refused_now
+    from raytrain_ddp.errors import StorageFull, causes, full_storage_error, refused_now
 
-    full = full_storage_error(error) or refused_now(folder)
-    if full is not None:
+    note = next((cause for cause in causes(error) if isinstance(cause, StorageFull)), None)
+    if note is None and (full := full_storage_error(error) or refused_now(folder)) is not None:
         note = StorageFull.of(full, f"rank {os.environ.get('RANK', '0')}'s files", full.filename or folder)
+    if note is not None:
         with contextlib.suppress(OSError):  # its own disk full too: an ordinary failure, then
             (Path(channel) / STORAGE_FULL_NOTE).write_bytes(pickle.dumps(note))
 
