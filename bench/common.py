@@ -8,6 +8,7 @@ Both contenders record the same events on rank 0, with the same clock
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -52,6 +53,18 @@ def steady_samples_per_s(events: list, world_size: int, first_epoch: int = 2) ->
 
 def first_step_time(events: list) -> float:
     return next(e[1] for e in events if e[0] == "s")
+
+
+def summarise(values: list[float]) -> dict:
+    """Median, min and max of a figure over rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def save_results(out: str | Path, result: dict, table: str) -> None:
+    """A bench's figures as JSON at `out`, its Markdown table beside it (.md), the table printed."""
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    Path(out).with_suffix(".md").write_text(table + "\n")
+    print(table)
 
 
 def write_json(path: str | Path, obj: dict) -> None:

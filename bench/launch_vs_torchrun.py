@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, first_step_time, steady_samples_per_s
+from bench.common import ROOT, first_step_time, save_results, steady_samples_per_s, summarise
 
 SCRIPT = ROOT / "bench" / "launch_script.py"
 RESULTS = ROOT / "bench" / "results"
@@ -45,10 +44,6 @@ def measure(command: list[str], probe: Path) -> dict:
         "samples_per_s": steady_samples_per_s(events, world_size=2),
         "wall_s": time.time() - started,
     }
-
-
-def summarise(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def table(result: dict) -> str:
@@ -90,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("samples_per_s", "first_step_s")
     }
     result["setup"] = {"rounds": args.rounds, "rows": args.rows, "epochs": args.epochs, "workers": 2, "batch": 64}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    Path(args.out).with_suffix(".md").write_text(table(result) + "\n")
-    print(table(result))
+    save_results(args.out, result, table(result))
     return 0
 
 

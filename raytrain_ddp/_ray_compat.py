@@ -398,3 +398,57 @@ def drop_unsaved_metrics(state: dict) -> bool:
             del result["metrics"][key]
             dropped = True
     return dropped
+
+
+# ------------------------------------------------------------------ --quick-start: Ray Train's local mode
+# Local mode (ScalingConfig(num_workers=0)) runs the training function in this process: no controller, so none
+# of its checkpoint bookkeeping either. The quick path's driver keeps the run's checkpoints with Ray Train's own
+# CheckpointManager (the same snapshot, the same retention, so either path resumes the other's run), and a rank
+# resumes from the checkpoint handed to local mode's train-function state.
+def local_checkpoint_manager(storage_path: str, run_name: str, checkpoint_config: Any) -> Any:
+    """Ray Train's CheckpointManager of run `run_name` under a local `storage_path`, its snapshot read if there is
+    one (as the controller's is at a run's start)."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    return CheckpointManager(checkpoint_config, StorageContext(storage_path, run_name))
+
+
+def register_local_checkpoint(manager: Any, checkpoint_dir_name: str, metrics: dict) -> None:
+    """A checkpoint written into the run directory, recorded as a report of it would be: the snapshot rewritten,
+    the checkpoints past --num-to-keep deleted."""
+    import asyncio
+
+    from ray.train import Checkpoint
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    storage = manager._storage_context
+    path = storage.build_checkpoint_path_from_name(checkpoint_dir_name)
+    report = _TrainingReport(Checkpoint(path, filesystem=storage.storage_filesystem), metrics, validation=False)
+
+    async def register() -> None:  # it wakes its waiters with an asyncio task: it needs a running loop
+        manager.register_checkpoint(report)
+
+    asyncio.run(register())
+
+
+def local_result(manager: Any, run_dir: RunPath, metrics: dict | None) -> Any:
+    """A ray.train.Result of the manager's checkpoints, as the controller's fit() returns it."""
+    from ray.train import Result
+
+    latest = manager.latest_checkpoint_result
+    return Result(
+        metrics=metrics,
+        checkpoint=latest.checkpoint if latest else None,
+        error=None,
+        path=str(run_dir),
+        best_checkpoints=[(result.checkpoint, result.metrics) for result in manager.best_checkpoint_results],
+    )
+
+
+def set_local_checkpoint(checkpoint: Any) -> None:
+    """Hand `checkpoint` to the training function as ray.train.get_checkpoint()'s answer, in local mode (which
+    answers its last reported one: none at the start)."""
+    from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils
+
+    get_train_fn_utils()._last_checkpoint = checkpoint

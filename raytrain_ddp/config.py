@@ -18,9 +18,10 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from raytrain_ddp import storage
-from raytrain_ddp.errors import ConfigError
+from raytrain_ddp.errors import ConfigError, plural
 from raytrain_ddp.storage import RunPath
 
 BUILTIN_MODELS = ("cnn", "resnet18", "resnet50", "mlp", "transformer")
@@ -65,6 +66,14 @@ class TrainConfig:
     address: str | None = field(
         default=None,
         metadata=_flag("Ray cluster to join, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a local Ray)"),
+    )
+    quick_start: bool = field(
+        default=False,
+        metadata=_flag(
+            "one machine, no Ray cluster: N local processes torchrun-style under Ray Train's local mode "
+            "(no restarts on failure, no hang watchdog, no Ray dashboard); DDP with full checkpoints on the built-in "
+            "or Parquet data only (docs/launch.md)"
+        ),
     )
     # Model and data
     model: str = field(
@@ -396,6 +405,8 @@ class TrainConfig:
         if bool(self.train_data) != bool(self.val_data):
             raise ConfigError("--train-data and --val-data go together")
         _check_wandb_names(self.wandb_project, self.wandb_entity)
+        if self.quick_start:
+            _check_quick_start(self)
 
     def _resolve_defaults(self) -> None:
         """The one place the defaults that depend on other fields are decided."""
@@ -440,6 +451,37 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
 
 def _unknown(flag_name: str, value: str, allowed: tuple[str, ...]) -> str:
     return f"{flag_name} {value!r} is unknown; choose one of: {', '.join(allowed)}"
+
+
+def _check_quick_start(config: TrainConfig) -> None:
+    """--quick-start runs N processes on this machine without a Ray cluster: what needs one is refused."""
+    if config.address:
+        raise ConfigError(f"--quick-start runs on this machine only; it cannot join --address {config.address}")
+    if config.min_workers is not None:
+        raise ConfigError("--quick-start cannot train elastically (--min-workers): it has no restarts")
+    if urlsplit(config.storage_path).scheme not in ("", "file"):  # by its form: opening it may reach the network
+        raise ConfigError(f"--quick-start writes to a local --storage-path only, got {config.storage_path!r}")
+    cpus = os.cpu_count() or 1
+    if not config.use_gpu and config.num_workers > cpus:
+        raise ConfigError(
+            f"--quick-start runs one process per CPU: {plural(config.num_workers, 'worker')} asked, "
+            f"this machine has {plural(cpus, 'CPU')}"
+        )
+    _check_quick_start_features(config)
+
+
+def _check_quick_start_features(config: TrainConfig) -> None:
+    """What the quick path's ranks do not do (each its own process, no Ray Data, full checkpoints by rank zero)."""
+    if config.strategy == "fsdp" or config.checkpoint_format == "sharded":
+        raise ConfigError(
+            "--quick-start trains with DDP and full checkpoints only; run --strategy fsdp or "
+            "--checkpoint-format sharded without --quick-start"
+        )
+    if is_import_path(config.dataset):
+        raise ConfigError(
+            f"--quick-start reads the data in each rank's own process: a --dataset plug-in ({config.dataset}) "
+            "returns Ray Datasets, which need a Ray cluster; run without --quick-start"
+        )
 
 
 def _check_name(name: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING
 
 from raytrain_ddp.config import TrainConfig, field_type, load_toml
+from raytrain_ddp.driver import rank_processes
 from raytrain_ddp.driver.signals import hold_early_stop_signals
 from raytrain_ddp.errors import (  # noqa: F401 (EXIT_BAD_INPUT: the exit codes, together)
     EXIT_BAD_INPUT,
@@ -35,6 +36,7 @@ PROG = "python -m raytrain_ddp.run"
 EXAMPLES = """\
 examples:
   %(prog)s --num-workers 2                  # CPU, built-in data and model
+  %(prog)s --num-workers 2 --quick-start    # one machine, no Ray cluster: first step in seconds
   %(prog)s --num-workers 6 --use-gpu        # one worker per GPU, NCCL
   %(prog)s --data /shared/ds --model resnet18 --epochs 10
   %(prog)s --config runs/NAME/config.toml   # repeat a run exactly
@@ -118,9 +120,14 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
     def train():
         config = config_from_args(argv, prog).validate()
-        from raytrain_ddp.driver.fit import fit  # imports Ray and torch: after the cheap checks
+        if config.quick_start:  # the ranks import torch and meet while this process does (driver/rank_processes.py)
+            rank_processes.start_early(config)
+        try:
+            from raytrain_ddp.driver.fit import fit  # imports Ray and torch: after the cheap checks
 
-        return fit(config)
+            return fit(config)
+        finally:
+            rank_processes.dismiss()  # those no run took
 
     return run_command(train)
 

@@ -54,6 +54,42 @@ CASES = [
         ["--model", "transformer"],
         "--model transformer takes tokens data, but the data holds image",
     ),
+    # --quick-start: what needs a Ray cluster is refused before anything starts
+    (
+        "quick-start-address",
+        ["--quick-start", "--address", "10.0.0.1:6379"],
+        "--quick-start runs on this machine only; it cannot join --address 10.0.0.1:6379",
+    ),
+    (
+        "quick-start-elastic",
+        ["--quick-start", "--min-workers", "1"],
+        "--quick-start cannot train elastically (--min-workers): it has no restarts",
+    ),
+    (
+        "quick-start-remote-storage",
+        ["--quick-start", "--storage-path", "s3://bucket/runs"],
+        "--quick-start writes to a local --storage-path only, got 's3://bucket/runs'",
+    ),
+    (
+        "quick-start-more-workers-than-cpus",
+        ["--quick-start", "--num-workers", str((os.cpu_count() or 1) + 1)],
+        f"--quick-start runs one process per CPU: {(os.cpu_count() or 1) + 1} workers asked, this machine has",
+    ),
+    (
+        "quick-start-fsdp",
+        ["--quick-start", "--strategy", "fsdp"],
+        "--quick-start trains with DDP and full checkpoints only; run --strategy fsdp or --checkpoint-format sharded",
+    ),
+    (
+        "quick-start-sharded-checkpoints",
+        ["--quick-start", "--checkpoint-format", "sharded"],
+        "--quick-start trains with DDP and full checkpoints only",
+    ),
+    (
+        "quick-start-dataset-plugin",
+        ["--quick-start", "--dataset", "json:loads"],
+        "--quick-start reads the data in each rank's own process: a --dataset plug-in (json:loads) returns Ray",
+    ),
     ("unknown-optimizer", ["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
     ("not-a-number", ["--epochs", "three"], "argument --epochs: invalid int value: 'three'"),
     ("unknown-flag", ["--num-gpus", "2"], "unrecognized arguments: --num-gpus 2"),

@@ -19,7 +19,7 @@ from raytrain_ddp.driver.failures import describe_failure
 from raytrain_ddp.driver.stacks import main_thread, outside_collectives
 from raytrain_ddp.errors import ConfigError, ScriptFailed, ScriptKilled
 from raytrain_ddp.plugins import make_task
-from raytrain_ddp.worker.launched import _exception_of
+from raytrain_ddp.worker.launched import exception_of
 from raytrain_ddp.worker.metrics import evaluate
 
 
@@ -117,8 +117,8 @@ def test_a_failed_ranks_error_is_read_from_its_traceback_as_torch_prefixes_it():
             "[rank1]: mypkg.errors.BadShard: bad: shard 3",
         ]
     )
-    assert _exception_of(lines) == "BadShard: bad: shard 3"
-    assert _exception_of(collections.deque(["Killed"])) is None
+    assert exception_of(lines) == "BadShard: bad: shard 3"
+    assert exception_of(collections.deque(["Killed"])) is None
 
 
 def test_the_first_rank_to_fail_is_named_and_ranks_that_failed_alike_are_named_together():

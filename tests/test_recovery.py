@@ -156,12 +156,13 @@ def test_a_rank_that_starts_after_a_stop_request_knows_it_before_its_first_beat(
     import ray
 
     from raytrain_ddp.driver.monitor import start_monitor
+    from raytrain_ddp.worker.channel import RayChannel
     from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
 
     monitor = start_monitor()
     try:
         ray.get(monitor.request_stop.remote("SIGUSR1 (Slurm's warning: time limit or preemption)"))
-        link = DriverLink(monitor, rank=0)
+        link = DriverLink(RayChannel(monitor), rank=0)
         assert Heartbeat(link.post, 0, link.stop_reason).stop_reason.startswith("SIGUSR1")
     finally:
         ray.kill(monitor)

@@ -156,11 +156,12 @@ def test_a_nodes_ranks_beat_through_one_aggregator_and_past_it_once_it_is_gone(r
     import ray
 
     from raytrain_ddp.driver.monitor import start_monitor
+    from raytrain_ddp.worker.channel import RayChannel
     from raytrain_ddp.worker.metrics import DriverLink
 
     monitor = start_monitor()
     try:
-        links = [DriverLink(monitor, rank) for rank in (0, 1)]
+        links = [DriverLink(RayChannel(monitor), rank) for rank in (0, 1)]
         for link in links:
             assert link.post(link.rank, 1, 3 + link.rank, 96, 0.5, "training", 0, []) is None
         links[0].epoch_finished({"epoch": 1, "rank": 0}, [{"step": 4}])  # the monitor has it when this returns

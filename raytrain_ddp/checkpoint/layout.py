@@ -40,7 +40,8 @@ def entry_point(directory: RunPath) -> RunPath:
 
 
 def new_checkpoint_name() -> str:
-    """A directory name for a sharded checkpoint, in Ray Train's own pattern (rank zero's clock)."""
+    """A directory name for a checkpoint rank zero writes into the run directory itself (a sharded one, a
+    --quick-start one), in Ray Train's own pattern (rank zero's clock)."""
     return "checkpoint_" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
 
 

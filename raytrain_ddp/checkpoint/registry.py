@@ -40,6 +40,13 @@ def read_snapshot(run_dir: RunPath) -> dict | None:
     return _ray_compat.read_snapshot(run_dir)
 
 
+def latest_checkpoint(run_dir: RunPath) -> RunPath | None:
+    """The checkpoint a restart of the run resumes from: its snapshot's latest (None: it has none)."""
+    state = read_snapshot(run_dir)
+    names = _ray_compat.checkpoints_newest_first(state) if state else []
+    return run_dir / names[0] if names else None
+
+
 def set_aside_corrupt_latest(run_dir: RunPath, state: dict) -> tuple[RunPath, dict] | None:
     """Make sure the checkpoint Ray Train will resume from loads; return it (its directory and state).
 

@@ -62,6 +62,9 @@ class Saver(abc.ABC):
     group: dist.ProcessGroup | None = None  # where a sharded load's collectives run (None: training's group)
     # told the bytes written while a flush waits (the sharded one's): the watchdog sees a long write move
     progress: Callable[[int], None] | None = None
+    # --quick-start (Ray Train's local mode keeps no checkpoints; the full format only): rank zero writes into the
+    # run directory and `register(checkpoint_dir_name, metrics)` has the driver record it; None: a Ray Train report
+    register: Callable[[str, dict], None] | None = None
 
     @abc.abstractmethod
     def state_of(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -107,9 +110,18 @@ class FullSaver(Saver):
     ) -> None:
         if self.rank != 0:
             reporting()
-            ray.train.report(metrics, checkpoint=None)
+            if self.register is None:  # --quick-start's ranks have no controller to report to
+                ray.train.report(metrics, checkpoint=None)
             return
         what = described(position_of(plain))
+        if self.register is not None:
+            directory = self.config.run_dir / new_checkpoint_name()
+            with storage_full_as(what, directory):
+                directory.mkdir()
+                write_full(str(directory), model_state, optimizer_state, plain)
+            reporting()
+            self.register(directory.name, metrics)
+            return
         with scratch_dir() as directory:
             with storage_full_as(what, directory):
                 checkpoint = write_full(directory, model_state, optimizer_state, plain)

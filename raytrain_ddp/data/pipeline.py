@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,9 +102,15 @@ def _task_inputs(
     batch: dict[str, np.ndarray], source: SplitSource, tasks: list[list[TaskPiece]], normalise: bool
 ) -> Iterator[dict[str, np.ndarray]]:
     """map_batches over task numbers: the task's pieces' model inputs, in order, transformed a slice at a time."""
-    task = tasks[int(batch["id"][0])]
-    pieces_rows = read_pieces(source, (piece[:3] for piece in task))
-    for (*_, augment_seed), rows in zip(task, pieces_rows):
+    yield from _pieces_inputs(source, tasks[int(batch["id"][0])], normalise)
+
+
+def _pieces_inputs(
+    source: SplitSource, pieces: Sequence[TaskPiece], normalise: bool
+) -> Iterator[dict[str, np.ndarray]]:
+    """The pieces' model inputs, in order, a slice at a time (a Ray Data task's, or --quick-start's in the rank)."""
+    pieces_rows = read_pieces(source, (piece[:3] for piece in pieces))
+    for (*_, augment_seed), rows in zip(pieces, pieces_rows):
         yield from source.model_inputs(rows, augment_seed, normalise)
 
 
@@ -140,6 +146,34 @@ def _group_pieces(pieces: Iterable[TaskPiece], task_rows: int) -> list[list[Task
     return [task for task in tasks if task]
 
 
+class BlockReader:
+    """Rows cut from a sequence of blocks (dicts of equal-length columns), `read(n)` at a time, whatever the
+    blocks' sizes: the same rows in the same order however they were cut."""
+
+    def __init__(self, blocks: Iterator[dict[str, np.ndarray]]) -> None:
+        self._blocks = blocks
+        self._block: dict[str, np.ndarray] = {}
+        self._offset = 0
+
+    def read(self, rows: int) -> dict[str, np.ndarray]:
+        """The next `rows` rows (fewer only where the blocks end; {} after)."""
+        parts = []
+        while rows > 0:
+            if self._offset == len(self._block.get("y", ())):
+                self._block, self._offset = next(self._blocks, None), 0
+                if self._block is None:
+                    self._block = {}
+                    break
+                continue
+            taken = min(rows, len(self._block["y"]) - self._offset)
+            parts.append({name: values[self._offset : self._offset + taken] for name, values in self._block.items()})
+            self._offset += taken
+            rows -= taken
+        if len(parts) == 1:
+            return parts[0]
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]} if parts else {}
+
+
 class _TrainStream:
     """One rank's train rows of epochs [first, last], in order, from one Ray Data execution.
 
@@ -166,27 +200,12 @@ class _TrainStream:
         dataset = _tasks_dataset(source, _group_pieces(pieces, _task_rows(source.spec)), normalise=False)
         dataset.context.execution_options = shard.execution_options
         self._blocks = iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))
-        self._block: dict[str, np.ndarray] = {}
-        self._offset = 0
+        self._rows = BlockReader(self._blocks)
         self.next_epoch: int | None = first  # None while an epoch is being read (or was left half read)
 
     def read(self, rows: int) -> dict[str, np.ndarray]:
         """The next `rows` rows of the stream (fewer only where it ends), cut from its blocks."""
-        parts = []
-        while rows > 0:
-            if self._offset == len(self._block.get("y", ())):
-                self._block, self._offset = next(self._blocks, None), 0
-                if self._block is None:
-                    self._block = {}
-                    break
-                continue
-            taken = min(rows, len(self._block["y"]) - self._offset)
-            parts.append({name: values[self._offset : self._offset + taken] for name, values in self._block.items()})
-            self._offset += taken
-            rows -= taken
-        if len(parts) == 1:
-            return parts[0]
-        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]} if parts else {}
+        return self._rows.read(rows)
 
     def epoch(self, epoch: int, batch_size: int, shuffle_seed: int) -> Iterator[dict[str, np.ndarray]]:
         """Epoch `epoch`'s rows (the next rows_of_epoch[epoch] of the stream), shuffled in a window; marks the
@@ -239,12 +258,14 @@ class TrainShard:
     """The project's own train shard of a rank: the split's layout and the rank; the rows come per epoch.
 
     `stream` is the rank's reader of the coming epochs, made on first use in the worker (never pickled).
+    `execution_options` None: --quick-start's shard, whose rows the rank reads in its own process (no Ray Data),
+    in the order a Ray Data stream hands them out (the same batches).
     """
 
     source: SplitSource
     rank: int
     world_size: int
-    execution_options: ExecutionOptions
+    execution_options: ExecutionOptions | None = None
     stream: _TrainStream | None = field(default=None, compare=False, repr=False)
     resizable = True
 
@@ -256,6 +277,11 @@ class TrainShard:
         if self.source.in_memory:
             pieces = self.train_pieces(config, epoch, earlier_parts)
             return _to_torch(_in_memory_batches(self.source, pieces, config.batch_size, seed))
+        if self.execution_options is None:
+            augment_seed = seed_of(config.seed, epoch) if self.source.augments else None
+            epoch_part = [(*piece, augment_seed) for piece in self.train_pieces(config, epoch, earlier_parts)]
+            rows = BlockReader(_pieces_inputs(self.source, epoch_part, normalise=False))
+            return _to_torch(window_shuffled(rows.read, config.batch_size, SHUFFLE_BUFFER_ROWS, seed))
         # A new stream for the first epoch, a jump, one left half read, or the rest of a resized epoch
         if self.stream is None or self.stream.next_epoch != epoch or earlier_parts:
             if self.stream is not None:
@@ -282,8 +308,40 @@ class ValShard:
     rows_per_rank: tuple[int, ...]
 
     def batches(self, batch_size: int) -> tuple[Iterable[dict], int | None]:
-        most = max(-(-rows // batch_size) for rows in self.rows_per_rank)
-        return self.iterator.iter_torch_batches(batch_size=batch_size), most
+        return self.iterator.iter_torch_batches(batch_size=batch_size), _most_batches(self.rows_per_rank, batch_size)
+
+
+def _most_batches(rows_per_rank: tuple[int, ...], batch_size: int) -> int:
+    """The most val batches of `batch_size` any rank holds."""
+    return max(-(-rows // batch_size) for rows in rows_per_rank)
+
+
+@dataclass(frozen=True)
+class LocalValShard:
+    """--quick-start's val shard of a rank: its fixed rows (ValShard's), read in the rank's own process."""
+
+    source: SplitSource
+    rank: int
+    world_size: int
+
+    def batches(self, batch_size: int) -> tuple[Iterable[dict], int | None]:
+        pieces = [(*piece, None) for piece in val_pieces(self.source.unit_rows, self.rank, self.world_size)]
+        rows = BlockReader(_pieces_inputs(self.source, pieces, normalise=False))
+        batches = iter(lambda: rows.read(batch_size), {})
+        most = _most_batches(val_rows_per_rank(self.source.unit_rows, self.world_size), batch_size)
+        return _to_torch(batches), most
+
+
+@dataclass(frozen=True)
+class LocalSources:
+    """--quick-start's splits: each rank reads its shards of them in its own process (no Ray Data, no object
+    store), the same rows in the same order as the full path's shards."""
+
+    train: SplitSource
+    val: SplitSource
+
+    def rank_inputs(self, rank: int, world_size: int) -> tuple[TrainInput, ValInput]:
+        return TrainShard(self.train, rank, world_size), LocalValShard(self.val, rank, world_size)
 
 
 @dataclass
@@ -307,9 +365,13 @@ class PluginValShard:
         return self.iterator.iter_torch_batches(batch_size=batch_size), None
 
 
-def rank_inputs() -> tuple[TrainInput, ValInput]:
-    """This rank's train and val inputs, from Ray Train. A plug-in's shards arrive as Ray Data's own split
-    iterators (Ray Train keeps those as they are, to shut their executors down): wrapped here."""
+def rank_inputs(local: LocalSources | None = None) -> tuple[TrainInput, ValInput]:
+    """This rank's train and val inputs, from Ray Train (or --quick-start's `local` sources, read here). A
+    plug-in's shards arrive as Ray Data's own split iterators (Ray Train keeps those as they are, to shut their
+    executors down): wrapped here."""
+    if local is not None:
+        context = ray.train.get_context()
+        return local.rank_inputs(context.get_world_rank(), context.get_world_size())
     train, val = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val")
     if isinstance(train, ray.data.DataIterator):
         return PluginTrainShard(train), PluginValShard(val)
@@ -387,16 +449,24 @@ def build_datasets(config: TrainConfig, plan: DataPlan) -> dict[str, RayTrainDat
             "train": PluginPipeline(plan.plugin_datasets["train"].random_shuffle(seed=shuffle_seed)),
             "val": PluginPipeline(plan.plugin_datasets["val"]),
         }
+    train, val = _split_sources(config, plan)
+    return {"train": OwnPipeline(train), "val": OwnPipeline(val)}
+
+
+def local_sources(config: TrainConfig, plan: DataPlan) -> LocalSources:
+    """--quick-start's splits, read by each rank in its own process (a --dataset plug-in's Ray Datasets cannot be)."""
+    return LocalSources(*_split_sources(config, plan, in_process=True))
+
+
+def _split_sources(config: TrainConfig, plan: DataPlan, in_process: bool = False) -> tuple[SplitSource, SplitSource]:
+    """The train and val splits' sources: the Parquet files' row groups, or the built-in rows."""
     if plan.train_paths:
-        return {
-            "train": OwnPipeline(parquet_source(plan.spec, plan.train_paths)),
-            "val": OwnPipeline(parquet_source(plan.spec, plan.val_paths)),
-        }
+        return parquet_source(plan.spec, plan.train_paths), parquet_source(plan.spec, plan.val_paths)
     train_ids, val_ids = synthetic.split_ids(config.train_size, config.val_size)
-    return {
-        "train": OwnPipeline(built_in_source(config, plan.spec, train_ids)),
-        "val": OwnPipeline(built_in_source(config, plan.spec, val_ids)),
-    }
+    return (
+        built_in_source(config, plan.spec, train_ids, in_process),
+        built_in_source(config, plan.spec, val_ids, in_process),
+    )
 
 
 class ShardingDataConfig(DataConfig):

@@ -117,15 +117,47 @@ def read_pieces(source: SplitSource, pieces: Iterable[tuple[int, int, int]]) -> 
             yield {name: values[start - first : stop - first] for name, values in rows.items()}
 
 
-def built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> ChunkSource:
+class GeneratedSource:
+    """Built-in rows generated where they are read (--quick-start: no object store), a chunk of ROWS_PER_CHUNK
+    per unit, each the very chunk ChunkSource holds; kept once generated (a rank reads most units each epoch)."""
+
+    in_memory = True
+    augments = False
+
+    def __init__(self, config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> None:
+        self.spec, self.dataset, self.seed = spec, config.dataset, config.seed
+        self.unit_ids = [ids[at : at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
+        self.unit_rows = tuple(len(unit) for unit in self.unit_ids)
+        self._chunks: dict[int, dict[str, np.ndarray]] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_chunks": {}}  # a rank generates its own
+
+    def read(self, unit: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        if unit not in self._chunks:
+            self._chunks[unit] = _chunk(self.dataset, self.spec, self.unit_ids[unit], self.seed)
+        return {name: values[start:stop] for name, values in self._chunks[unit].items()}
+
+    def model_inputs(self, rows: dict[str, np.ndarray], augment_seed: int | None, normalise: bool) -> Iterator[dict]:
+        yield rows  # model inputs already
+
+
+def _chunk(dataset: str, spec: DataSpec, ids: np.ndarray, seed: int) -> dict[str, np.ndarray]:
+    """A chunk of built-in rows, generated from the seed and normalised: model inputs."""
+    return to_model_inputs(synthetic.GENERATORS[dataset](ids, seed), spec)
+
+
+def built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray, in_process: bool = False) -> SplitSource:
     """Chunks generated and normalised once, here, into the object store (a task per chunk would
-    start a process each, on the cores the worker group is starting on)."""
+    start a process each, on the cores the worker group is starting on); `in_process` (--quick-start): generated
+    by each rank as it reads them."""
+    if in_process:
+        return GeneratedSource(config, spec, ids)
     pieces = [ids[at : at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
-    generate = synthetic.GENERATORS[config.dataset]
     return ChunkSource(
         spec,
         tuple(len(piece) for piece in pieces),
-        tuple(ray.put(to_model_inputs(generate(piece, config.seed), spec)) for piece in pieces),
+        tuple(ray.put(_chunk(config.dataset, spec, piece, config.seed)) for piece in pieces),
     )
 
 

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 import ray.data
@@ -30,9 +31,9 @@ from raytrain_ddp.checkpoint.layout import entry_point
 from raytrain_ddp.checkpoint.state import describe as describe_checkpoint
 from raytrain_ddp.checkpoint.verify import check_fits_model
 from raytrain_ddp.config import TrainConfig, is_import_path
-from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets
+from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, local_sources
 from raytrain_ddp.data.spec import DataPlan, DataSpec, plan_data, plugin_plan
-from raytrain_ddp.driver import dashboard, preflight, run_directory, run_lock, tracker
+from raytrain_ddp.driver import dashboard, preflight, quick, run_directory, run_lock, tracker
 from raytrain_ddp.driver.console import finished_text
 from raytrain_ddp.driver.failures import RetryRuleTorchTrainer, describe_failure, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
@@ -50,6 +51,7 @@ from raytrain_ddp.report import write_report
 from raytrain_ddp.storage import RETRY_BUDGET_ENV, RemotePath, RunPath, Spool, stored, uri_of
 from raytrain_ddp.summary import RunSummary
 from raytrain_ddp.worker.args import UserCode, WorkerArgs
+from raytrain_ddp.worker.channel import MonitorChannel, RayChannel
 from raytrain_ddp.worker.hooks import WorkerHooks, chosen_hooks
 from raytrain_ddp.worker.loop import train_loop_per_worker
 from raytrain_ddp.worker.profile import PROFILE_DIR
@@ -398,6 +400,7 @@ class BuiltinWork:
         self.plan: DataPlan | None = None
         self.start_state: dict | None = None
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.resume_from: str | None = None  # --quick-start: the checkpoint its ranks resume from (Ray Train's choice)
 
     def before_ray(self, config: TrainConfig) -> list[str]:
         """Plug-ins imported, the run directory checked, the data planned and checked against the model (nothing
@@ -406,6 +409,11 @@ class BuiltinWork:
             config, self.model_fn, self.dataset_fn, self.loss_fn, self.task, self.hooks
         )
         run_directory.check(config)  # a finished run, or the name taken by other work: before Ray starts
+        if self.dataset_fn and config.quick_start:
+            raise ConfigError(
+                "--quick-start reads the data in each rank's own process: a dataset function returns Ray Datasets, "
+                "which need a Ray cluster; run without --quick-start"
+            )
         if not self.dataset_fn:
             self.plan = plan_data(config)
             self._check(config)
@@ -429,6 +437,9 @@ class BuiltinWork:
 
     def choose_start(self, config: TrainConfig, run_dir: RunPath) -> None:
         _choose_start(config, run_dir, self.start_state, self.shapes)
+        if config.quick_start:  # what Ray Train's controller would hand the workers: the snapshot's latest
+            latest = registry.latest_checkpoint(run_dir)
+            self.resume_from = str(latest) if latest else None
 
     def describe(self, config: TrainConfig, workers: int) -> None:
         _describe_training(config, workers, self.plan.spec)
@@ -466,6 +477,12 @@ class BuiltinWork:
         args = WorkerArgs.pack(config, self.plan.spec, monitor, self.import_roots, self.code)
         return train_loop_per_worker, args.to_loop_config(), build_datasets(config, self.plan), ShardingDataConfig()
 
+    def quick_args(self, config: TrainConfig, address) -> WorkerArgs:
+        """--quick-start's ranks' arguments: the monitor's local address, the splits each rank reads itself."""
+        return WorkerArgs.pack(
+            config, self.plan.spec, address, self.import_roots, self.code, local_sources(config, self.plan)
+        )
+
 
 def _run(config: TrainConfig, work, stop_signal: StopSignal, lock: run_lock.RunLock) -> FitResult:
     started = time.time()
@@ -474,6 +491,38 @@ def _run(config: TrainConfig, work, stop_signal: StopSignal, lock: run_lock.RunL
         tracker.require("mlflow", "--mlflow-uri", "mlflow", "MLflow")
     if config.wandb_project:
         tracker.require("wandb", "--wandb-project", "wandb", "the wandb package")
+    if config.quick_start:  # no Ray cluster: the ranks are this machine's processes (driver/quick.py)
+        dashboard_url, nodes, start_workers = None, list[dict](), config.num_workers
+    else:
+        cluster = _bring_up_cluster(config, work, import_roots, stop_signal)
+        if isinstance(cluster, FitResult):
+            return cluster
+        dashboard_url, nodes, start_workers = cluster
+    lock.check_held()  # a start that took longer than the lock's stale limit: another driver went on
+    run_dir = run_directory.prepare(config, work.config_fields)
+    log_file, log_spool = _log_to_console_and_file(run_dir)
+    try:
+        work.choose_start(config, run_dir)
+        if config.quick_start:
+            quick.announce(config)
+        else:
+            _describe_cluster(config, dashboard_url, nodes)
+        work.describe(config, start_workers)
+        log.info("Run directory: %s", config.run_dir)
+        return _train(config, work, run_dir, nodes, start_workers, started, stop_signal, lock)
+    finally:
+        log.removeHandler(log_file)
+        progress_log.removeHandler(log_file)
+        log_file.close()
+        if not lock.taken_over.is_set():  # the run directory's driver.log is the other driver's now
+            log_spool.upload()
+
+
+def _bring_up_cluster(
+    config: TrainConfig, work, import_roots: list[str], stop_signal: StopSignal
+) -> tuple[str | None, list[dict], int] | FitResult:
+    """Ray connected (or started), the work's Ray part done, the request checked against the cluster: the
+    dashboard's URL, the nodes and the workers to start with; or the result of a run failed before it started."""
     dashboard_url = connect(config, import_roots)
     stop_signal.take_back()
     work.with_ray(config)
@@ -484,21 +533,7 @@ def _run(config: TrainConfig, work, stop_signal: StopSignal, lock: run_lock.RunL
             preflight.check_gpus_usable(nodes)
         except preflight.UnusableGPUNodes as err:
             return _failed_before_start(config, str(err), gpu_failed_nodes=err.hosts)
-    lock.check_held()  # a start that took longer than the lock's stale limit: another driver went on
-    run_dir = run_directory.prepare(config, work.config_fields)
-    log_file, log_spool = _log_to_console_and_file(run_dir)
-    try:
-        work.choose_start(config, run_dir)
-        _describe_cluster(config, dashboard_url, nodes)
-        work.describe(config, start_workers)
-        log.info("Run directory: %s", config.run_dir)
-        return _train(config, work, run_dir, nodes, start_workers, started, stop_signal, lock)
-    finally:
-        log.removeHandler(log_file)
-        progress_log.removeHandler(log_file)
-        log_file.close()
-        if not lock.taken_over.is_set():  # the run directory's driver.log is the other driver's now
-            log_spool.upload()
+    return dashboard_url, nodes, start_workers
 
 
 def _failed_before_start(config: TrainConfig, error: str, gpu_failed_nodes: list[str]) -> FitResult:
@@ -540,11 +575,22 @@ class _Observers:
     """What follows a run while Ray Train runs it: the monitor actor the workers post to, the trackers, the
     recorder, and the watcher thread that feeds the recorder (stopped by `stop`)."""
 
-    monitor: ray.actor.ActorHandle
+    monitor: Any  # the RunMonitor actor's handle, or --quick-start's QuickMonitor
     sinks: list
     recorder: RunRecorder
     stop: threading.Event
     watcher: threading.Thread
+
+    @property
+    def channel(self) -> MonitorChannel:
+        """The driver's own line to the monitor."""
+        return self.monitor if isinstance(self.monitor, quick.QuickMonitor) else RayChannel(self.monitor)
+
+    def end_monitor(self) -> None:
+        if isinstance(self.monitor, quick.QuickMonitor):
+            self.monitor.close()
+        else:
+            ray.kill(self.monitor)
 
 
 @dataclass
@@ -569,8 +615,12 @@ def _train(
     stop_signal: StopSignal,
     lock: run_lock.RunLock,
 ) -> FitResult:
-    observers = _start_observers(config, work, run_dir, nodes, start_workers, lock)
-    outcome = _run_ray_train(config, work, start_workers, observers, stop_signal, lock)
+    if config.quick_start:
+        observers = _start_quick_observers(config, work, run_dir)
+        outcome = _run_quick(config, work, run_dir, observers, stop_signal, lock)
+    else:
+        observers = _start_observers(config, work, run_dir, nodes, start_workers, lock)
+        outcome = _run_ray_train(config, work, start_workers, observers, stop_signal, lock)
     return _conclude(config, work, run_dir, observers, outcome, started, stop_signal, lock)
 
 
@@ -578,6 +628,16 @@ def _start_observers(
     config: TrainConfig, work, run_dir: RunPath, nodes: list[dict], start_workers: int, lock: run_lock.RunLock
 ) -> _Observers:
     monitor = start_monitor()
+    sinks, recorder = _sinks_and_recorder(config, work, run_dir, start_workers)
+    stop = threading.Event()
+    watch_args = (monitor, recorder, stop, config, NodeWatch(nodes, ray.get_runtime_context().gcs_address), lock)
+    watcher = threading.Thread(target=watch, args=watch_args, daemon=True)
+    watcher.start()
+    return _Observers(monitor, sinks, recorder, stop, watcher)
+
+
+def _sinks_and_recorder(config: TrainConfig, work, run_dir: RunPath, start_workers: int) -> tuple[list, RunRecorder]:
+    """The trackers, and the recorder that takes in the workers' news (and says which epochs a resumed run has)."""
     sinks = (
         ([TensorBoardLog(run_dir)] if config.tensorboard else [])
         + ([MlflowLog(config.mlflow_uri, config)] if config.mlflow_uri else [])
@@ -586,15 +646,43 @@ def _start_observers(
     recorder = RunRecorder(run_dir, config, work.train_rows, start_workers, sinks, launched=work.launched)
     if recorder.epochs:
         log.info(
-            "Resuming run %s: epochs %s already recorded; Ray Train continues from its latest checkpoint",
+            "Resuming run %s: epochs %s already recorded; training continues from its latest checkpoint",
             config.name,
             ", ".join(map(str, sorted(recorder.epochs))),
         )
+    return sinks, recorder
+
+
+def _start_quick_observers(config: TrainConfig, work, run_dir: RunPath) -> _Observers:
+    """--quick-start's: the monitor in this process, the trackers, the recorder and the thread that feeds it."""
+    monitor = quick.QuickMonitor(config, work.data_kind)
+    sinks, recorder = _sinks_and_recorder(config, work, run_dir, config.num_workers)
     stop = threading.Event()
-    watch_args = (monitor, recorder, stop, config, NodeWatch(nodes, ray.get_runtime_context().gcs_address), lock)
-    watcher = threading.Thread(target=watch, args=watch_args, daemon=True)
+    watcher = threading.Thread(target=quick.drain_until, args=(monitor, recorder, stop), daemon=True)
     watcher.start()
     return _Observers(monitor, sinks, recorder, stop, watcher)
+
+
+def _run_quick(
+    config: TrainConfig, work, run_dir: RunPath, observers: _Observers, stop_signal: StopSignal, lock: run_lock.RunLock
+) -> _Outcome:
+    """The ranks' processes to their end, whichever way it comes; then the observers stopped. A rank that fails
+    ends the run (no restarts); a Ctrl-C ends the ranks at once, as the full path ends its controller."""
+    outcome = _Outcome()
+    stop_signal.forward_to(observers.channel)
+    ranks = []
+    try:
+        ranks = quick.start_ranks(config, work.quick_args(config, observers.monitor.address), work.resume_from)
+        outcome.error = quick.wait_for(ranks, lock)
+        if outcome.error is None:
+            outcome.result = observers.monitor.result(run_dir)
+    except KeyboardInterrupt:
+        outcome.interrupted = True
+    finally:
+        with interrupts_deferred():
+            quick.end_ranks(ranks)
+        outcome.stop_reason = _stop_observers(observers, stop_signal, lock)
+    return outcome
 
 
 def _run_ray_train(
@@ -607,7 +695,7 @@ def _run_ray_train(
 ) -> _Outcome:
     """Ray Train's fit() to its end, whichever way it ends; then the observers stopped."""
     outcome, recorder = _Outcome(), observers.recorder
-    stop_signal.forward_to(observers.monitor)
+    stop_signal.forward_to(observers.channel)
     try:
         outcome.result = _make_trainer(config, work, observers.monitor, start_workers, work.data_kind).fit()
     except KeyboardInterrupt:  # Ctrl-C (Ray Train's own SIGINT handler is kept off: see _ray_compat.torch_trainer)
@@ -666,8 +754,8 @@ def _stop_observers(observers: _Observers, stop_signal: StopSignal, lock: run_lo
             observers.recorder.flush_files()
         if observers.recorder.cluster_gone:
             return None
-        stop_reason = ray.get(observers.monitor.stop_requested.remote())
-        ray.kill(observers.monitor)
+        stop_reason = observers.channel.call("stop_requested", timeout=None)
+        observers.end_monitor()
         return stop_reason
 
 

@@ -55,26 +55,14 @@ class Verdict:
     cluster_gone: bool = False  # the Ray cluster itself went away (its GCS stopped answering): nothing left to stop
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class RunMonitor:
-    """A mailbox: workers post events, the driver drains them."""
+class RunMailbox:
+    """A mailbox: workers post events, the driver drains them. The Ray actor :class:`RunMonitor` on the full
+    path; --quick-start's driver holds one itself (driver/quick.py), its ranks' calls one at a time."""
 
     def __init__(self) -> None:
         self._events: list[tuple] = []
         self._stop_reason: str | None = None
-        self._aggregators: dict[str, ray.actor.ActorHandle] = {}  # node id -> its ranks' NodeAggregator
         self._running: set[int] = set()  # ranks of the current attempt still at work (started, not ended)
-
-    def aggregator_for(self, node_id: str, hostname: str) -> tuple[ray.actor.ActorHandle, str | None]:
-        """The node's aggregator, started (pinned to the node) when its first rank asks, and the driver's stop
-        request if there is one already (a USR1 during start-up: the rank learns it before its first step, not a
-        beat and a node message later). The aggregator is owned by this actor: it ends with the run."""
-        if node_id not in self._aggregators:
-            on_the_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
-            self._aggregators[node_id] = NodeAggregator.options(  # type: ignore[attr-defined]  # @ray.remote's
-                scheduling_strategy=on_the_node
-            ).remote(ray.get_runtime_context().current_actor, node_id, hostname)
-        return self._aggregators[node_id], self._stop_reason
 
     def node_news(self, message: dict) -> str | None:
         """A node's message (`NodeNews.message`), stamped with this node's monotonic clock (the driver's, which
@@ -151,6 +139,26 @@ class RunMonitor:
     def drain(self) -> list[tuple]:
         events, self._events = self._events, []
         return events
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class RunMonitor(RunMailbox):
+    """The run's mailbox as a Ray actor, and the node aggregators its ranks post through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._aggregators: dict[str, ray.actor.ActorHandle] = {}  # node id -> its ranks' NodeAggregator
+
+    def aggregator_for(self, node_id: str, hostname: str) -> tuple[ray.actor.ActorHandle, str | None]:
+        """The node's aggregator, started (pinned to the node) when its first rank asks, and the driver's stop
+        request if there is one already (a USR1 during start-up: the rank learns it before its first step, not a
+        beat and a node message later). The aggregator is owned by this actor: it ends with the run."""
+        if node_id not in self._aggregators:
+            on_the_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            self._aggregators[node_id] = NodeAggregator.options(  # type: ignore[attr-defined]  # @ray.remote's
+                scheduling_strategy=on_the_node
+            ).remote(ray.get_runtime_context().current_actor, node_id, hostname)
+        return self._aggregators[node_id], self._stop_reason
 
 
 def start_monitor() -> ray.actor.ActorHandle:

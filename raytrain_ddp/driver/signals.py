@@ -51,7 +51,7 @@ class StopSignal:
     reason: str | None = None
     at: float = 0.0
     training_over: bool = False
-    monitor: object = None  # the run's RunMonitor, once training is about to start
+    monitor: Any = None  # a channel to the run's monitor (worker.channel.MonitorChannel), once training starts
     handler: Callable[[int, Any], None] | None = None  # stop_on_signals' handler, while it is in charge
 
     def take_back(self) -> None:
@@ -64,7 +64,7 @@ class StopSignal:
         """From now on the workers hear of a stop; one that came during start-up, at once."""
         self.monitor = monitor
         if self.reason:
-            monitor.request_stop.remote(self.reason)
+            monitor.post("request_stop", self.reason)
 
 
 @contextmanager
@@ -95,7 +95,7 @@ def stop_on_signals():
                 reason,
             )
             if stop.monitor is not None:
-                stop.monitor.request_stop.remote(reason)
+                stop.monitor.post("request_stop", reason)
 
     stop.handler = on_signal
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}

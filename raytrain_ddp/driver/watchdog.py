@@ -217,6 +217,14 @@ def _end_lost_cluster(recorder: RunRecorder, node_watch: NodeWatch, silent_s: fl
     interrupt_main_thread()
 
 
+def log_progress(recorder: RunRecorder, last_logged: float) -> float:
+    """Every PROGRESS_LOG_INTERVAL_S, where the ranks stand, to driver.log; returns when it was last logged."""
+    if time.monotonic() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
+        progress_log.info(line)
+        return time.monotonic()
+    return last_logged
+
+
 def watch(
     monitor, recorder: RunRecorder, stop: threading.Event, config: TrainConfig, node_watch: NodeWatch, lock: RunLock
 ) -> None:
@@ -257,9 +265,7 @@ def watch(
             allowed_s = max(config.hang_timeout_s, STARTUP_GRACE_S) if quiet_start else config.hang_timeout_s
             if liveness.silent_for() > allowed_s:
                 _end_stalled_attempt(recorder, allowed_s)
-            if time.monotonic() - last_logged >= PROGRESS_LOG_INTERVAL_S and (line := recorder.progress_line()):
-                progress_log.info(line)
-                last_logged = time.monotonic()
+            last_logged = log_progress(recorder, last_logged)
         except ray.exceptions.GetTimeoutError:
             continue  # the GCS check above tells a slow monitor from a cluster gone
         except ray.exceptions.RayActorError as err:  # the monitor's process or node gone (it restarts, if Ray lives)

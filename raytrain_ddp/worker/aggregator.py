@@ -21,6 +21,8 @@ import time
 
 import ray
 
+from raytrain_ddp.worker.channel import RayChannel
+
 log = logging.getLogger("raytrain_ddp")
 
 POST_INTERVAL_S = 1.0  # as often as a rank beats (Heartbeat.INTERVAL_S)
@@ -92,7 +94,7 @@ class NodeAggregator:
     """A node's :class:`NodeNews`, posted to the run monitor once a second from a thread of its own."""
 
     def __init__(self, monitor, node_id: str, hostname: str) -> None:
-        self.monitor, self.news = monitor, NodeNews(node_id, hostname)
+        self.monitor, self.news = RayChannel(monitor), NodeNews(node_id, hostname)
         self.state = threading.Lock()  # the news, between the ranks' calls and the poster
         self.posting = threading.Lock()  # one message at a time: a rank's news reaches the monitor in order
         threading.Thread(target=self._post_forever, daemon=True, name="node-news").start()
@@ -127,7 +129,7 @@ class NodeAggregator:
                     return self.news.stop_reason
                 message = self.news.message()
             try:
-                reply = ray.get(self.monitor.node_news.remote(message), timeout=POST_TIMEOUT_S)
+                reply = self.monitor.call("node_news", message, timeout=POST_TIMEOUT_S)
             except Exception:
                 with self.state:
                     self.news.unsent(message)

@@ -40,13 +40,16 @@ class WorkerArgs:
 
     config: TrainConfig
     spec: DataSpec
-    monitor: Any  # the RunMonitor actor's handle (its methods are called with .remote)
+    monitor: Any  # the RunMonitor actor's handle, or --quick-start's LocalAddress (worker.channel.channel_to)
     import_roots: tuple[str, ...]
     pickled_code: bytes
+    local_sources: Any = None  # --quick-start: the splits each rank reads itself (data.pipeline.LocalSources)
 
     @classmethod
-    def pack(cls, config: TrainConfig, spec: DataSpec, monitor, import_roots, code: UserCode) -> WorkerArgs:
-        return cls(config, spec, monitor, tuple(import_roots), cloudpickle.dumps(code))
+    def pack(
+        cls, config: TrainConfig, spec: DataSpec, monitor, import_roots, code: UserCode, local_sources=None
+    ) -> WorkerArgs:
+        return cls(config, spec, monitor, tuple(import_roots), cloudpickle.dumps(code), local_sources)
 
     def to_loop_config(self) -> dict:
         return {LOOP_CONFIG_KEY: self}

@@ -39,6 +39,7 @@ from raytrain_ddp import session
 from raytrain_ddp.errors import ScriptFailed, ScriptKilled, StorageFull
 from raytrain_ddp.storage import RemotePath, Spool, copy_tree, file_states, location
 from raytrain_ddp.worker.args import LaunchArgs
+from raytrain_ddp.worker.channel import RayChannel
 from raytrain_ddp.worker.metrics import DriverLink, Heartbeat
 from raytrain_ddp.worker.script_runner import PARENT_PID_ENV, PROCESS_GROUP_MARK, STORAGE_FULL_NOTE
 
@@ -108,14 +109,14 @@ class Supervisor:
         self.output: list[str] = []  # teed lines not yet sent to the driver
         self.output_lock = threading.Lock()
         self.cpu_of: Callable[[], int] = lambda: _cpu_ticks(os.getpid())
-        self.link = DriverLink(self.monitor, self.rank)
+        self.link = DriverLink(RayChannel(self.monitor), self.rank)
         self.heartbeat = Heartbeat(self.link.post, self.rank, self.link.stop_reason)
         self.heartbeat.at(PHASE, 0, self.heartbeat.meter)
         threading.Thread(target=self._beat_forever, daemon=True, name="supervisor").start()
 
     def announce(self, stack_pid: int | None) -> None:
         """This rank to the driver; `stack_pid`: the process whose stack the watchdog takes (a script's)."""
-        self.monitor.worker_started.remote(self.rank, {**self.describe(), "stack_pid": stack_pid})
+        self.link.channel.post("worker_started", self.rank, {**self.describe(), "stack_pid": stack_pid})
 
     def describe(self) -> dict:
         return {
@@ -180,9 +181,10 @@ class Supervisor:
         with self.output_lock:
             lines, self.output = self.output, []
         if lines:
-            sent = self.monitor.output.remote(self.rank, lines)
             if wait:
-                ray.get(sent)
+                self.link.call("output", self.rank, lines, timeout=None)
+            else:
+                self.link.channel.post("output", self.rank, lines)
 
     def finish(self) -> None:
         """The rank's last output and reports reach the driver before the worker returns."""
@@ -192,7 +194,7 @@ class Supervisor:
         self.logs.upload()
         if isinstance(self.run_dir, RemotePath):  # the store holds what rank zero saved
             shutil.rmtree(self.checkpoint.parent, ignore_errors=True)
-        self.monitor.worker_ended.remote(self.rank)  # a Ctrl-C's grace waits no longer for this rank
+        self.link.channel.post("worker_ended", self.rank)  # a Ctrl-C's grace waits no longer for this rank
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -282,7 +284,7 @@ def run_script_per_worker(loop_config: dict) -> None:
     if returncode > 0 and (full := supervisor.channel.storage_full()) is not None:
         raise full  # not a rank's failure: the run ends at once in the storage line, exit 74, no restart
     if returncode > 0:
-        error = _exception_of(tail) or "the script failed"
+        error = exception_of(tail) or "the script failed"
         raise ScriptFailed(f"{error} (exit code {returncode}; {log_path})", exited_at)
     if supervisor.world_size > 1 and not supervisor.channel.joined_process_group():
         raise ScriptFailed(
@@ -327,7 +329,7 @@ class _RankOutput(io.TextIOBase):
         self.log_file.flush()
 
 
-def _exception_of(lines: collections.deque) -> str | None:
+def exception_of(lines: collections.deque) -> str | None:
     """`Type: message` of the last traceback in a rank's output: its first line that is not a frame."""
     text = [RANK_PREFIX.sub("", line) for line in lines]
     starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]

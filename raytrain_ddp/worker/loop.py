@@ -44,6 +44,7 @@ from raytrain_ddp.models import build_model
 from raytrain_ddp.plugins import load_object, make_loss, make_task
 from raytrain_ddp.worker import strategy
 from raytrain_ddp.worker.args import UserCode, WorkerArgs
+from raytrain_ddp.worker.channel import MonitorChannel, channel_to
 from raytrain_ddp.worker.device_feed import DeviceFeed, padding_batch
 from raytrain_ddp.worker.flops import peak_tflops, training_flops_per_sample
 from raytrain_ddp.worker.hooks import WorkerHooks
@@ -98,11 +99,30 @@ def save_sample_ids(config: TrainConfig, epoch: int, rank: int, batches: list) -
         write_atomic(directory / f"epoch-{epoch}-rank-{rank}.npy", array.getvalue())
 
 
-def _storage_warnings_to(monitor, rank: int) -> None:
+def _storage_warnings_to(channel: MonitorChannel, rank: int) -> None:
     """This rank's object-store retries (its checkpoint uploads) said on the driver's console, once each."""
     storage_log = logging.getLogger(storage.__name__)
-    storage_log.handlers[:] = [WarningsToDriver(monitor, rank)]  # one, however often a group restarts here
+    storage_log.handlers[:] = [WarningsToDriver(channel, rank)]  # one, however often a group restarts here
     storage_log.setLevel(logging.INFO)
+
+
+def _rank_device(config: TrainConfig) -> torch.device:
+    """This rank's device: Ray Train's choice, or under --quick-start (no Ray worker) the torchrun way, a GPU per
+    local rank (Ray Train's local mode has made it the current one)."""
+    if not config.quick_start:
+        return ray.train.torch.get_device()
+    return torch.device("cuda", torch.cuda.current_device()) if config.use_gpu else torch.device("cpu")
+
+
+def _where(device: torch.device, quick: bool) -> dict:
+    """Where this rank runs, for the driver's records; under --quick-start there is no Ray node (no Ray at all)."""
+    return {
+        "hostname": socket.gethostname(),
+        "node_ip": "127.0.0.1" if quick else ray.util.get_node_ip_address(),
+        "device": str(device),
+        "pid": os.getpid(),
+        "node_id": "local" if quick else ray.get_runtime_context().get_node_id(),
+    }
 
 
 def _label_worker_logs(rank: int) -> None:
@@ -278,38 +298,31 @@ class WorkerLoop:
 
     def __init__(self, args: WorkerArgs) -> None:
         self.config = config = args.config
-        self.spec, self.monitor = args.spec, args.monitor
+        self.spec = args.spec
         self.run_info = {"config": config.to_dict(), "data_spec": args.spec.__dict__}
         code = args.user_code()
         self.hooks = code.hooks or WorkerHooks()
         context = ray.train.get_context()
         self.rank, world_size = context.get_world_rank(), context.get_world_size()  # elastic runs: this attempt's
-        self.device = device = ray.train.torch.get_device()
-        self.monitor.worker_started.remote(
-            self.rank,
-            {
-                "rank": self.rank,
-                "world_size": world_size,
-                "hostname": socket.gethostname(),
-                "node_ip": ray.util.get_node_ip_address(),
-                "device": str(device),
-                "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(),
-            },
-        )
+        self.device = device = _rank_device(config)
+        channel = channel_to(args.monitor)
+        where = _where(device, config.quick_start)
+        channel.post("worker_started", self.rank, {"rank": self.rank, "world_size": world_size, **where})
         _label_worker_logs(self.rank)
-        _storage_warnings_to(self.monitor, self.rank)
-        self.link = DriverLink(self.monitor, self.rank)
+        _storage_warnings_to(channel, self.rank)
+        self.link = DriverLink(channel, self.rank)
         self.heartbeat = Heartbeat(self.link.post, self.rank, self.link.stop_reason)
         if config.compile:
             self.heartbeat.follow_compiles()
         self.trainer = RankTrainer(config, self.spec, device, code, world_size)
         self.trainer.saver.progress = self.heartbeat.writing_checkpoint
+        if config.quick_start:  # no Ray Train controller to report checkpoints to: the driver records them
+            self.trainer.saver.register = functools.partial(self.link.call, "checkpoint_written", timeout=None)
         self.feed = DeviceFeed(self.spec, device)
         # the run directory only when profiling: on object storage, opening it would cost a lookup on each worker
         run_dir = config.run_dir if config.profile_window else None
         self.profile = StepProfile(config.profile_window, run_dir, self.rank, device)
-        self.train_input, self.val_input = rank_inputs()
+        self.train_input, self.val_input = rank_inputs(args.local_sources)
         self.position = Position()
         self.last_checkpoint_at = time.monotonic()  # for --checkpoint-every-minutes
 
@@ -504,7 +517,8 @@ class WorkerLoop:
         self.last_checkpoint_at = time.monotonic()
 
     def finish(self) -> None:
-        ray.get(self.monitor.worker_finished.remote(self.rank, parameter_checksum(strategy.unwrap(self.trainer.model))))
+        checksum = parameter_checksum(strategy.unwrap(self.trainer.model))
+        self.link.call("worker_finished", self.rank, checksum, timeout=None)
 
 
 def train_epochs(worker: WorkerLoop, position: Position) -> bool:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_ddp.worker.aggregator import POST_TIMEOUT_S
+from raytrain_ddp.worker.channel import MonitorChannel, RayChannel
 
 log = logging.getLogger("raytrain_ddp")
 
@@ -208,18 +209,20 @@ class Heartbeat:
 class DriverLink:
     """A rank's news to the driver: its heartbeats and epoch messages through its node's aggregator (one
     message a second per node: `raytrain_ddp.worker.aggregator`), straight to the run monitor while that
-    aggregator is gone (a rank never falls silent for want of one)."""
+    aggregator is gone (a rank never falls silent for want of one), or where the monitor hands out none
+    (--quick-start's, in the driver process). :meth:`call` is every call a rank makes to the driver."""
 
-    def __init__(self, monitor, rank: int) -> None:
-        self.monitor, self.rank = monitor, rank
-        self.aggregator = None
+    def __init__(self, channel: MonitorChannel, rank: int) -> None:
+        self.channel, self.rank = channel, rank
+        self.aggregator = None  # the node's NodeAggregator actor (a Ray handle), when the monitor gives one
         self.stop_reason: str | None = None  # the driver's stop request as it stood when the rank started
         self._said_gone = False
         try:
-            self.aggregator, self.stop_reason = ray.get(
-                monitor.aggregator_for.remote(ray.get_runtime_context().get_node_id(), socket.gethostname()),
-                timeout=POST_TIMEOUT_S,
-            )
+            if channel.aggregates:
+                where = ray.get_runtime_context().get_node_id(), socket.gethostname()
+                self.aggregator, self.stop_reason = channel.call("aggregator_for", *where, timeout=POST_TIMEOUT_S)
+            else:
+                self.stop_reason = channel.call("stop_requested", timeout=POST_TIMEOUT_S)
         except Exception as err:  # an old monitor, or one busy: the rank posts to it directly
             log.warning("rank %d: no node aggregator (%s); posting to the run monitor directly", rank, err)
 
@@ -235,28 +238,33 @@ class DriverLink:
         """A launched rank's last reports; returns once the driver's monitor has them."""
         self._send("add_step_records", self.rank, step_records)
 
+    def call(self, method: str, *args, timeout: float | None = POST_TIMEOUT_S):
+        """The run monitor's `method(*args)`, waited for (no aggregator in between)."""
+        return self.channel.call(method, *args, timeout=timeout)
+
     def _send(self, method: str, *args):
         if self.aggregator is not None:
             try:
-                return ray.get(getattr(self.aggregator, method).remote(*args), timeout=POST_TIMEOUT_S)
+                return RayChannel(self.aggregator).call(method, *args, timeout=POST_TIMEOUT_S)
             except ray.exceptions.RayActorError as err:  # its process gone (restarting, or for good): the monitor
                 if not self._said_gone:
                     log.warning("rank %d: its node aggregator is gone (%s); posting to the run monitor", self.rank, err)
                 self._said_gone = True
-        return ray.get(getattr(self.monitor, method).remote(*args), timeout=POST_TIMEOUT_S)
+        return self.call(method, *args)
 
 
 class WarningsToDriver(logging.Handler):
     """A logger's warnings on this rank (raytrain_ddp.storage's: a write it retries) on the driver's console too:
-    Ray's worker output is kept off it. Posted without waiting: a rank never waits for the console."""
+    Ray's worker output is kept off it. Posted without waiting where the channel allows: a rank never waits for
+    the console."""
 
-    def __init__(self, monitor, rank: int) -> None:
+    def __init__(self, channel: MonitorChannel, rank: int) -> None:
         super().__init__(logging.WARNING)
-        self.monitor, self.rank = monitor, rank
+        self.channel, self.rank = channel, rank
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.monitor.warning.remote(self.rank, record.getMessage())
+            self.channel.post("warning", self.rank, record.getMessage())
         except Exception:  # the monitor gone (the run ending): the line stays in this worker's log
             self.handleError(record)
 

@@ -32,7 +32,7 @@ STORAGE_FULL_NOTE = "storage_full.pickle"  # in the session folder: the StorageF
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _end_with_parent() -> None:
+def end_with_parent() -> None:
     """SIGKILL when the worker that started us dies (Ray ended it: a failed rank, Ctrl-C, the watchdog)."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != int(os.environ.pop(PARENT_PID_ENV, os.getppid())):
@@ -80,7 +80,7 @@ def _take_ctrl_c() -> None:
 
 
 def main() -> None:
-    _end_with_parent()
+    end_with_parent()
     _take_ctrl_c()
     script, *args = sys.argv[1:]
     channel = os.environ.get(SESSION_ENV)
