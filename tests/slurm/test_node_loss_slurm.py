@@ -10,7 +10,8 @@ Ray Train restarts with the one worker that fits and the run finishes.
 Ray's GCS checks each node's raylet every second here, not every 3 s, and
 gives up after 3 failed checks, not 5: a killed raylet refuses the check at
 once, so the node is declared dead in about 4 s instead of about 17 s (a busy
-but live raylet still gets Ray's 10 s per check). Nothing else changes.
+but live raylet still gets Ray's 10 s per check). A restart waits 5 s, not 30, to place the old number of
+workers before Ray Train settles for the workers that fit (RAYTRAIN_PLACEMENT_WAIT_S). Nothing else changes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from test_start_ray_slurm import TWO_NODES, assert_no_leftovers, show
 pytestmark = pytest.mark.slurm
 
 LOST_NODE, LOST_NODE_INDEX = "rtnode2", 1  # the second node of the allocation: a Ray worker node
-FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+FAST_NODE_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAYTRAIN_PLACEMENT_WAIT_S": "5",
+}
 TRAIN = ["--epochs", "3", "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"]
 
 
@@ -81,7 +86,7 @@ def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> t
             assert time.monotonic() - killed_at < 300, "the job hangs after the node loss:\n" + log_path.read_text()
             if "requeued job" in log_path.read_text():
                 break
-            time.sleep(1)
+            time.sleep(0.5)
         ended_after = time.monotonic() - killed_at
         shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
     finally:
