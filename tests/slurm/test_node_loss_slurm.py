@@ -97,13 +97,13 @@ def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> t
 
 
 def test_lost_node_without_room_ends_with_an_error_naming_it(testbed: Testbed) -> None:
-    job, run_dir, ended_after, shown = run_and_lose_a_node(testbed, "node-loss", [*TRAIN, "--capacity-wait-s", "8"])
+    job, run_dir, ended_after, shown = run_and_lose_a_node(testbed, "node-loss", [*TRAIN, "--capacity-wait-s", "4"])
     assert f"Lost node {LOST_NODE}" in job.log, show(job)
     assert re.search(r"rank [01] ran there", job.log), show(job)  # whichever rank Ray placed there
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed", summary
     assert summary["error"].startswith(f"lost node {LOST_NODE}"), summary["error"]
-    assert "did not come back within 8s" in summary["error"] and "--min-workers 1" in summary["error"], summary
+    assert "did not come back within 4s" in summary["error"] and "--min-workers 1" in summary["error"], summary
     assert [n["hostname"] for n in summary["lost_nodes"]] == [LOST_NODE], summary["lost_nodes"]
     error_line = next(line for line in job.log.splitlines() if "Training failed:" in line)
     assert LOST_NODE in error_line, show(job)
