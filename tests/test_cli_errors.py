@@ -279,6 +279,14 @@ def test_wandb_project_without_wandb_installed_is_one_line_and_exit_2(tmp_path, 
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan"])
+def test_a_bad_placement_wait_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.setenv("RAYTRAIN_PLACEMENT_WAIT_S", value)
+    code, stderr = cli_main(["--storage-path", str(tmp_path / "runs")], capsys)
+    assert (code, stderr) == (2, f"error: RAYTRAIN_PLACEMENT_WAIT_S={value!r}: give seconds between 1 and 3600\n")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
 def _checkpoint(directory, drop: tuple = (), **changes) -> str:
     """A checkpoint file laid out as rank zero writes one (cnn, built-in data), with `changes`, less `drop`."""
     import torch

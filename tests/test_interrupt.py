@@ -113,8 +113,8 @@ def test_interrupting_a_jupyter_kernel_ends_the_run_and_later_interrupts_still_w
             assert summary["status"] == "interrupted", summary
             assert not processes_left(b"RayTrainWorker"), f"{name}: workers of the run left running"
         # Ctrl-C still works in a cell that is no run: no handler of the runs' is left behind to swallow it
-        message_id = client.execute("import time\ntime.sleep(300)", stop_on_error=False)
-        time.sleep(3)
+        message_id = client.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(300)", stop_on_error=False)
+        _message(client.get_iopub_msg, message_id, 60, "output of the cell", kind="stream")  # the cell runs
         interrupted_at = time.monotonic()
         manager.interrupt_kernel()
         reply = _reply(client, message_id, timeout=60)
@@ -130,12 +130,17 @@ def _execute(client, code: str, timeout: float) -> dict:
 
 
 def _reply(client, message_id: str, timeout: float) -> dict:
+    return _message(client.get_shell_msg, message_id, timeout, "reply")["content"]
+
+
+def _message(channel, message_id: str, timeout: float, what: str, kind: str | None = None) -> dict:
+    """The next message on `channel` about the request `message_id` (of this `kind`, if given)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            reply = client.get_shell_msg(timeout=1)
+            message = channel(timeout=1)
         except Exception:  # queue.Empty: nothing yet
             continue
-        if reply["parent_header"].get("msg_id") == message_id:
-            return reply["content"]
-    pytest.fail(f"no reply within {timeout:.0f}s")
+        if message["parent_header"].get("msg_id") == message_id and kind in (None, message["msg_type"]):
+            return message
+    pytest.fail(f"no {what} within {timeout:.0f}s")

@@ -56,9 +56,9 @@ def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray
     collective timeout."""
     from raytrain_ddp import fit
 
-    # 6 batches x 4 s per rank in epoch 1: a 24 s pass. The first batch may wait up to the whole hang timeout
+    # 6 batches x 3 s per rank in epoch 1: an 18 s pass. The first batch may wait up to the whole hang timeout
     # (its Ray Data pipeline starting; 8 s was not enough on a CI machine whose other lane was busy)
-    slow_validation = SlowValidation(seconds=4, stall_at=(1, 2, 2))
+    slow_validation = SlowValidation(seconds=3, stall_at=(1, 2, 2))
     started = time.monotonic()
     config = _config(
         tmp_path,
@@ -66,7 +66,7 @@ def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray
         epochs=2,
         train_size=1024,
         val_size=768,
-        hang_timeout_s=20,
+        hang_timeout_s=15,
         max_failures=0,
         collective_timeout_s=900,
     )
@@ -76,7 +76,7 @@ def test_watchdog_lets_a_long_validation_run_and_names_the_rank_stuck_in_one(ray
     assert _epochs(tmp_path / "stalled") == [1]  # the slow validation pass was no hang
     [verdict] = result.summary["hangs"]  # a start a busy machine slowed is no hang (a warning says so)
     # the stuck rank leads, named with where it stopped...
-    assert verdict.startswith("no rank made progress for 20s; last seen: rank 1 on ")
+    assert verdict.startswith("no rank made progress for 15s; last seen: rank 1 on ")
     assert ": validating (2 batches done), epoch 2 micro-batch " in verdict
     assert "rank 0 on " in verdict  # ...and the others are listed with where they wait
     # the node of the rank it ended, for the Slurm launcher's exclusion

@@ -172,9 +172,10 @@ ReturnToService=2
 MinJobAge=5
 # A requeued job waits cred_expire seconds before it may start again (default
 # 120, at least 5), then for the next scheduling pass (backfill every 30 s by
-# default): 10 and 5 keep the preemption/requeue test short.
-AuthInfo=cred_expire=10
-SchedulerParameters=bf_interval=5
+# default), as does a job submitted while the last job's nodes still complete
+# (each test's job, right after the one before): 5 and 1 keep the tests short.
+AuthInfo=cred_expire=5
+SchedulerParameters=bf_interval=1
 KillWait=30
 InactiveLimit=0
 SlurmdTimeout=60

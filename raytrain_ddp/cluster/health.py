@@ -19,26 +19,26 @@ MAX_EXCLUDING_REQUEUES = 3
 GPU_CHECK_FAILED = "GPU check failed on "
 
 
-def _env_number(env: Mapping[str, str], name: str, default: float, high: float, meaning: str) -> float:
-    """The number in env[name] (default when unset or blank), 0..high. ValueError naming the variable."""
+def env_number(env: Mapping[str, str], name: str, default: float, high: float, meaning: str, low: float = 0) -> float:
+    """The number in env[name] (default when unset or blank), low..high. ValueError naming the variable."""
     raw = env.get(name, "")
     try:
         value = float(raw) if raw.strip() else default
     except ValueError:
-        value = -1.0
-    if not 0 <= value <= high:  # also NaN
-        raise ValueError(f"{name}={raw!r}: give {meaning} between 0 and {high:g}")
+        value = low - 1
+    if not low <= value <= high:  # also NaN
+        raise ValueError(f"{name}={raw!r}: give {meaning} between {low:g} and {high:g}")
     return value
 
 
 def netcheck_timeout(env: Mapping[str, str]) -> float:
     """RAYTRAIN_NETCHECK_TIMEOUT_S (0 turns the check off). ValueError naming the variable for a bad value."""
-    return _env_number(env, "RAYTRAIN_NETCHECK_TIMEOUT_S", NETCHECK_TIMEOUT_S, 3600, "seconds (0: no check)")
+    return env_number(env, "RAYTRAIN_NETCHECK_TIMEOUT_S", NETCHECK_TIMEOUT_S, 3600, "seconds (0: no check)")
 
 
 def max_excluding_requeues(env: Mapping[str, str]) -> int:
     """RAYTRAIN_MAX_EXCLUDING_REQUEUES: how often a job may be requeued without nodes it failed on."""
-    value = _env_number(env, "RAYTRAIN_MAX_EXCLUDING_REQUEUES", MAX_EXCLUDING_REQUEUES, 100, "a whole number")
+    value = env_number(env, "RAYTRAIN_MAX_EXCLUDING_REQUEUES", MAX_EXCLUDING_REQUEUES, 100, "a whole number")
     if value != int(value):
         raise ValueError(f"RAYTRAIN_MAX_EXCLUDING_REQUEUES={env['RAYTRAIN_MAX_EXCLUDING_REQUEUES']!r}: a whole number")
     return int(value)

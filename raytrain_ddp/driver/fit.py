@@ -30,6 +30,7 @@ from raytrain_ddp.checkpoint import ranking, registry
 from raytrain_ddp.checkpoint.layout import entry_point
 from raytrain_ddp.checkpoint.state import describe as describe_checkpoint
 from raytrain_ddp.checkpoint.verify import check_fits_model
+from raytrain_ddp.cluster import health
 from raytrain_ddp.config import TrainConfig, is_import_path
 from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, local_sources
 from raytrain_ddp.data.spec import DataPlan, DataSpec, plan_data, plugin_plan
@@ -65,6 +66,8 @@ for _logger in (log, progress_log):  # credentials inside URIs (--mlflow-uri, --
 # How long Ray Train waits to place a worker group before it counts a controller failure and decides
 # again. Right after a node dies Ray still counts it, so the first restart asks for too many workers:
 # this wait bounds how long an elastic run (--min-workers) takes to notice and start with fewer.
+# The environment variable overrides it (seconds; the elastic tests wait 5).
+PLACEMENT_WAIT_ENV = "RAYTRAIN_PLACEMENT_WAIT_S"
 WORKER_GROUP_PLACEMENT_WAIT_S = 30
 # How often Ray Train's controller polls the workers (Ray's default: 2 s). Each change of the run's state (the
 # workers started, finished, failed) waits for the next poll; a poll is one small call per worker, and one that
@@ -267,8 +270,17 @@ def _log_to_console_and_file(run_dir: RunPath) -> tuple[logging.Handler, Spool]:
     return log_file, spool
 
 
+def placement_wait_s() -> float:
+    """RAYTRAIN_PLACEMENT_WAIT_S, else WORKER_GROUP_PLACEMENT_WAIT_S; ConfigError (one line) for a bad value."""
+    try:
+        return health.env_number(os.environ, PLACEMENT_WAIT_ENV, WORKER_GROUP_PLACEMENT_WAIT_S, 3600, "seconds", 1)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_kind: str) -> TorchTrainer:
-    os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(WORKER_GROUP_PLACEMENT_WAIT_S)
+    placement_wait = placement_wait_s()
+    os.environ[_ray_compat.WORKER_GROUP_START_TIMEOUT_ENV] = str(placement_wait)
     os.environ.setdefault(_ray_compat.HEALTH_CHECK_INTERVAL_ENV, str(CONTROLLER_POLL_S))
     # Ray Train's PreemptionWatcher is one more actor process per run (2-3 CPU seconds of a run's start on two
     # cores: docs/benchmarks.md) for ray.train.get_preemption_info(), which this loop does not read: a Slurm
@@ -276,7 +288,7 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
     os.environ.setdefault(_ray_compat.PREEMPTION_WATCHER_ENV, "0")
     # Ray's default retries a worker group that cannot be placed for ever (-1). Here it gives up a little
     # after --capacity-wait-s: the watcher's own deadline comes first and names the lost node.
-    placement_tries = math.ceil(config.capacity_wait_s / WORKER_GROUP_PLACEMENT_WAIT_S) + 1
+    placement_tries = math.ceil(config.capacity_wait_s / placement_wait) + 1
     # Elastic: never more than fit at the start, which preflight packed with a CPU left for Ray Data
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
@@ -377,6 +389,7 @@ def run(config: TrainConfig, work) -> FitResult:
     """One run of `work` (the built-in loop's :class:`BuiltinWork`, or a user's script or function:
     driver.launch.LaunchedWork) under the same lock, signals, cluster, run directory, watcher and summary."""
     config.validate()
+    placement_wait_s()  # a bad RAYTRAIN_PLACEMENT_WAIT_S: refused before anything starts
     # a full disk met anywhere else (the lock, config.toml) ends the run too, as StorageFull
     with (
         storage_full_as("the run directory", config.run_dir),

@@ -92,26 +92,15 @@ class Testbed:
         env: dict[str, str] | None = None,
         timeout: float = 600,
     ) -> Job:
-        """Submit start_ray_slurm.sh with --wait; returns when the job ends."""
+        """Submit start_ray_slurm.sh and wait for the job to end (polled: `sbatch --wait` looks only every 8 s)."""
         wd = self.workdir(name)
-        cmd = [
-            "sbatch",
-            "--wait",
-            "--parsable",
-            "--output",
-            str(wd / "job.out"),
-            *sbatch_args,
-            str(SCRIPT),
-            *script_args,
-        ]
+        cmd = ["sbatch", "--parsable", "--output", str(wd / "job.out"), *sbatch_args, str(SCRIPT), *script_args]
         t0 = time.monotonic()
-        p = subprocess.run(cmd, cwd=wd, env=env or self.env(), capture_output=True, text=True, timeout=timeout)
-        elapsed = time.monotonic() - t0
+        p = subprocess.run(cmd, cwd=wd, env=env or self.env(), capture_output=True, text=True, timeout=60)
         m = re.match(r"(\d+)", p.stdout.strip())
         assert m, f"sbatch did not submit: rc={p.returncode}\n{p.stdout}\n{p.stderr}"
-        log_path = wd / "job.out"
-        log = log_path.read_text() if log_path.exists() else ""
-        return Job(int(m.group(1)), p.returncode, log, elapsed, wd)
+        returncode = wait_for_end(int(m.group(1)), timeout)
+        return Job(int(m.group(1)), returncode, log_text(wd / "job.out"), time.monotonic() - t0, wd)
 
 
 def job_processes(job_id: int) -> list[str]:
@@ -138,9 +127,32 @@ def job_processes(job_id: int) -> list[str]:
     return found
 
 
+# A job's states once it is over. Slurm keeps an ended job's record (and squeue lists it) for MinJobAge and
+# then until its next purge, ~5-15 s on the testbed: a poll that waited for the record to go waited that too.
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+
+
+def job_state(job_id: int) -> tuple[str, int] | None:
+    """The job's state (COMPLETING while its processes end) and its script's exit code; None once Slurm has
+    forgotten the job."""
+    shown = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True).stdout
+    state, code = re.search(r"\bJobState=(\S+)", shown), re.search(r"\bExitCode=(\d+):", shown)
+    return (state.group(1), int(code.group(1)) if code else -1) if state else None
+
+
 def in_queue(job_id: int) -> bool:
-    """Whether the job is still in Slurm's queue (pending, running, or requeued to run again)."""
-    return bool(subprocess.run(["squeue", "-h", "-j", str(job_id)], capture_output=True, text=True).stdout.strip())
+    """Whether the job is still in Slurm's queue (pending, running, ending, or requeued to run again)."""
+    state = job_state(job_id)
+    return state is not None and state[0] not in ENDED
+
+
+def wait_for_end(job_id: int, limit_s: float, poll_s: float = 0.25) -> int:
+    """Until the job has ended: its script's exit code (-1 where Slurm forgot the job before a look)."""
+    deadline = time.monotonic() + limit_s
+    while (state := job_state(job_id)) and state[0] not in ENDED:
+        assert time.monotonic() < deadline, f"job {job_id} is still {state[0]} after {limit_s:.0f}s"
+        time.sleep(poll_s)
+    return state[1] if state else -1
 
 
 def log_text(path: Path) -> str:

@@ -10,7 +10,8 @@ Ray Train restarts with the one worker that fits and the run finishes.
 Ray's GCS checks each node's raylet every second here, not every 3 s, and
 gives up after 3 failed checks, not 5: a killed raylet refuses the check at
 once, so the node is declared dead in about 4 s instead of about 17 s (a busy
-but live raylet still gets Ray's 10 s per check). Nothing else changes.
+but live raylet still gets Ray's 10 s per check). A restart waits 5 s, not 30, to place the old number of
+workers before Ray Train settles for the workers that fit (RAYTRAIN_PLACEMENT_WAIT_S). Nothing else changes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from test_start_ray_slurm import TWO_NODES, assert_no_leftovers, show
 pytestmark = pytest.mark.slurm
 
 LOST_NODE, LOST_NODE_INDEX = "rtnode2", 1  # the second node of the allocation: a Ray worker node
-FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+FAST_NODE_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAYTRAIN_PLACEMENT_WAIT_S": "5",
+}
 TRAIN = ["--epochs", "3", "--train-size", "2048", "--val-size", "256", "--no-report", "--no-tensorboard"]
 
 
@@ -81,7 +86,7 @@ def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> t
             assert time.monotonic() - killed_at < 300, "the job hangs after the node loss:\n" + log_path.read_text()
             if "requeued job" in log_path.read_text():
                 break
-            time.sleep(1)
+            time.sleep(0.5)
         ended_after = time.monotonic() - killed_at
         shown = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
     finally:
@@ -92,13 +97,13 @@ def run_and_lose_a_node(testbed: Testbed, name: str, train_args: list[str]) -> t
 
 
 def test_lost_node_without_room_ends_with_an_error_naming_it(testbed: Testbed) -> None:
-    job, run_dir, ended_after, shown = run_and_lose_a_node(testbed, "node-loss", [*TRAIN, "--capacity-wait-s", "8"])
+    job, run_dir, ended_after, shown = run_and_lose_a_node(testbed, "node-loss", [*TRAIN, "--capacity-wait-s", "4"])
     assert f"Lost node {LOST_NODE}" in job.log, show(job)
     assert re.search(r"rank [01] ran there", job.log), show(job)  # whichever rank Ray placed there
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed", summary
     assert summary["error"].startswith(f"lost node {LOST_NODE}"), summary["error"]
-    assert "did not come back within 8s" in summary["error"] and "--min-workers 1" in summary["error"], summary
+    assert "did not come back within 4s" in summary["error"] and "--min-workers 1" in summary["error"], summary
     assert [n["hostname"] for n in summary["lost_nodes"]] == [LOST_NODE], summary["lost_nodes"]
     error_line = next(line for line in job.log.splitlines() if "Training failed:" in line)
     assert LOST_NODE in error_line, show(job)

@@ -142,7 +142,7 @@ def test_a_temp_dir_planted_by_someone_else_is_refused_in_one_line(testbed: Test
         subprocess.run(["scontrol", "release", str(job_id)], check=True, timeout=30)
         while in_queue(job_id):
             assert time.monotonic() - t0 < 300, "job did not finish"
-            time.sleep(1)
+            time.sleep(0.5)
         job = Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
         errors = [line for line in job.log.splitlines() if "ERROR" in line]
         assert len(errors) == 1, show(job)
@@ -254,7 +254,7 @@ def _cancel_and_wait(job_id: int, wd: Path, t0: float) -> Job:
     deadline = time.monotonic() + 120
     while in_queue(job_id):
         assert time.monotonic() < deadline, "cancelled job did not end"
-        time.sleep(1)
+        time.sleep(0.5)
     return Job(job_id, -1, (wd / "job.out").read_text(), time.monotonic() - t0, wd)
 
 
@@ -262,23 +262,23 @@ def test_the_launcher_stops_the_trainer_ahead_of_the_time_limit_and_scancel_clea
     """Slurm 22.05 (the testbed's) sets no SLURM_JOB_END_TIME: the launcher reads the job's end time from
     squeue and, RAYTRAIN_STOP_BEFORE_END_S before it, forwards to the running trainer the USR1 that Slurm's own
     warning (here 5 s before the 3-minute limit) would send too late; scancel then stops every Ray process of
-    the job on both nodes. The stop is due 20 s into the job, about when the trainer starts: the launcher checks
+    the job on both nodes. The stop is due 15 s into the job, just after the trainer starts: the launcher checks
     the time limit while the trainer runs, so a trainer that starts later gets it at once (Slurm's own USR1
     still comes only at 175 s)."""
     wd = testbed.workdir("end-time")
     sbatch_args = [*(arg for arg in TWO_NODES if not arg.startswith("--time")), "--time=3", "--signal=B:USR1@5"]
-    env = {"RAYTRAIN_MODULE": "ray_probe", "RAYTRAIN_STOP_BEFORE_END_S": "160"}
+    env = {"RAYTRAIN_MODULE": "ray_probe", "RAYTRAIN_STOP_BEFORE_END_S": "165"}
     job_id = testbed.submit(wd, sbatch_args, ["--hold-seconds", "600"], **env)
     t0, log_path = time.monotonic(), wd / "job.out"
     try:
         wait_for_line(log_path, "probe: holding", t0, 120, "probe never started")
         assert job_processes(job_id), "Ray processes of the running job should be visible"
-        # the stop is due 20 s into the job, sent to the trainer once it runs; Slurm's USR1 only at 175 s
+        # the stop is due 15 s into the job, sent to the trainer once it runs; Slurm's USR1 only at 175 s
         _wait_for_usr1(wd / "runs" / f"raytrain-{job_id}", log_path, 120, "no stop ahead of the time limit")
     finally:
         job = _cancel_and_wait(job_id, wd, t0)
-    assert "the time limit is 160s away and no USR1 came" in job.log, show(job)
-    before, _, after = job.log.partition("the time limit is 160s away")
+    assert "the time limit is 165s away and no USR1 came" in job.log, show(job)
+    before, _, after = job.log.partition("the time limit is 165s away")
     assert "got USR1" not in before, show(job)  # not Slurm's own warning
     assert "forwarding to the trainer" in after, show(job)
     assert_no_leftovers(job, timeout=40)
@@ -326,7 +326,7 @@ def test_preemption_while_ray_starts_checkpoints_requeues_and_the_requeued_job_r
         urgent_id = _preempt(job_id, wd)
         while in_queue(job_id):
             assert time.monotonic() - t0 < 600, "the job (or its requeued run) did not finish:\n" + log_path.read_text()
-            time.sleep(1)
+            time.sleep(0.5)
     finally:
         subprocess.run(["scancel", str(job_id), *([str(urgent_id)] if urgent_id else [])], timeout=30)
     log = log_path.read_text()
