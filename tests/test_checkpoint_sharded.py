@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import shutil
+import subprocess
 import threading
 import time
 from concurrent.futures import Future
@@ -144,20 +145,24 @@ def test_one_process_loads_two_ranks_shards_to_the_same_weights_and_moments(shar
     _assert_same_state(loaded["full"], saved["full"])
 
 
-def test_consolidate_writes_one_full_checkpoint_a_plain_torch_load_reads(sharded, tmp_path):
+@pytest.fixture(scope="module")
+def consolidated(sharded, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`checkpoint consolidate` of the sharded checkpoint into a new directory, run once for the tests that read
+    it: (that directory, the command's result)."""
+    out = tmp_path_factory.mktemp("consolidated") / "full"
+    return out, run_cli("raytrain_ddp.checkpoint", "consolidate", str(sharded[0]), str(out))
+
+
+def test_consolidate_writes_one_full_checkpoint_a_plain_torch_load_reads(sharded, consolidated):
     from raytrain_ddp.checkpoint.verify import read_verified
 
-    checkpoint, saved = sharded
-    done = run_cli("raytrain_ddp.checkpoint", "consolidate", str(checkpoint), str(tmp_path / "full"))
+    (_, saved), (out, done) = sharded, consolidated
     assert done.returncode == 0, done.stderr
-    full = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
+    full = torch.load(out / "checkpoint.pt", weights_only=True)
     _assert_same_state((full["model"], full["optimizer"]), saved["full"])
     assert full["global_step"] == 2 and "format" not in full
-    assert read_verified(tmp_path / "full")[1] is None
-    assert (
-        done.stdout.strip()
-        == f"wrote {tmp_path / 'full' / 'checkpoint.pt'} (OUT {tmp_path / 'full'} is a new directory)"
-    )
+    assert read_verified(out)[1] is None
+    assert done.stdout.strip() == f"wrote {out / 'checkpoint.pt'} (OUT {out} is a new directory)"
 
 
 def test_consolidate_to_a_name_ending_in_pt_writes_that_file(sharded, tmp_path):
@@ -176,10 +181,10 @@ def test_consolidate_leaves_a_target_that_exists_untouched_in_one_line(sharded, 
     assert (tmp_path / "full" / "checkpoint.pt").read_bytes() == b"earlier"
 
 
-def test_consolidate_refuses_a_full_checkpoint(sharded, tmp_path):
-    checkpoint, _ = sharded
-    assert run_cli("raytrain_ddp.checkpoint", "consolidate", str(checkpoint), str(tmp_path / "full")).returncode == 0
-    not_sharded = run_cli("raytrain_ddp.checkpoint", "consolidate", str(tmp_path / "full"), str(tmp_path / "x"))
+def test_consolidate_refuses_a_full_checkpoint(consolidated, tmp_path):
+    full, done = consolidated
+    assert done.returncode == 0, done.stderr
+    not_sharded = run_cli("raytrain_ddp.checkpoint", "consolidate", str(full), str(tmp_path / "x"))
     assert not_sharded.returncode == 2 and "not a sharded checkpoint" in not_sharded.stderr
 
 

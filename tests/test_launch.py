@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 from support import REPO, script_rank_pid
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.ray
 TUTORIAL = REPO / "examples" / "ddp_tutorial.py"
 SESSION_SCRIPT = REPO / "examples" / "script_with_session.py"
 SCRIPTS = REPO / "tests" / "scripts"
+EPOCHS = 12  # the session script's, stopped and resumed on object storage
 
 
 def _torchrun(script: Path, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -169,39 +172,6 @@ def test_a_session_script_runs_under_torchrun_with_local_defaults(tmp_path):
     assert (tmp_path / "checkpoints" / "snapshot.pt").exists()
 
 
-def test_usr1_reaches_every_rank_which_stops_at_its_check_and_the_same_command_resumes(ray_address, tmp_path):
-    """A stop signal on the launcher (Slurm's time-limit warning) reaches every rank's script, which saves and
-    returns: exit 75; the same command resumes from the script's snapshot and finishes; every reported step is
-    in steps.jsonl once, with its spread over the ranks."""
-    args = (str(SESSION_SCRIPT), "--epochs", "40", "--step-seconds", "0.02")
-    run = subprocess.Popen(
-        _launch_command(ray_address, tmp_path, "session", *args),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        _wait_for_line(tmp_path / "session" / "steps.jsonl", '"step": 2,')
-        run.send_signal(signal.SIGUSR1)
-        output = run.communicate(timeout=300)[0]
-    finally:
-        run.kill()
-    assert run.returncode == 75, output[-3000:]
-    stopped = _summary(tmp_path / "session")
-    assert stopped["status"] == "stopped" and stopped["stop_reason"].startswith("SIGUSR1"), stopped
-    done = stopped["final_metrics"]["step"]
-    assert 2 <= done < 40 and "stopping after epoch" in output
-
-    again = _launch(ray_address, tmp_path, "session", *args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr
-    steps = [json.loads(line) for line in (tmp_path / "session" / "steps.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in steps] == list(range(1, 41))
-    assert all(record["world_size"] == 2 and "loss_per_rank" in record for record in steps)
-    assert _summary(tmp_path / "session")["final_metrics"]["step"] == 40
-
-
 def test_ctrl_c_reaches_every_ranks_script_as_sigint_and_the_launcher_waits_for_it_to_save(ray_address, tmp_path):
     """Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it) reaches every rank's script as
     SIGINT, as torchrun passes it on: each catches KeyboardInterrupt and saves before the launcher ends, with
@@ -259,10 +229,11 @@ def test_launch_refuses_a_setting_it_does_not_take(tmp_path):
 def test_a_hung_rank_is_found_by_its_stack_and_named(ray_address, tmp_path):
     """Rank 1 waits on an event nobody sets, rank 0 for rank 1 in an all-reduce: no output, no CPU, no report.
     After --hang-timeout-s the watchdog reads every rank's stack with py-spy and names the one outside a
-    collective, with its frames; with no restarts left the run ends there."""
-    result = _launch(ray_address, tmp_path, "hung", "--hang-timeout-s", "8", str(SCRIPTS / "hangs.py"))
+    collective, with its frames; with no restarts left the run ends there. 4 s: rank 0 enters the all-reduce
+    right after its last line, so the stacks show the hang well before that."""
+    result = _launch(ray_address, tmp_path, "hung", "--hang-timeout-s", "4", str(SCRIPTS / "hangs.py"))
     assert result.returncode == 1, result.stderr[-3000:]
-    said = [line for line in result.stderr.splitlines() if line.startswith("Watchdog: no rank made progress for 8s")]
+    said = [line for line in result.stderr.splitlines() if line.startswith("Watchdog: no rank made progress for 4s")]
     assert len(said) == 1, result.stderr[-3000:]
     assert "; rank 1 on " in said[0] and " is not inside a collective; the others wait in one: " in said[0]
     assert "wait_for_the_lock (hangs.py:11) <- <module> (hangs.py:17)" in said[0], said
@@ -273,18 +244,34 @@ def test_a_hung_rank_is_found_by_its_stack_and_named(ray_address, tmp_path):
     assert "rank 0's stack (py-spy dump)" in driver_log and "all_reduce (torch/distributed/" in driver_log
 
 
-def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resumes_in_a_fresh_directory(
-    ray_address, s3_server, tmp_path
-):
-    """`--storage-path s3://...`: checkpoint_dir() is a local folder uploaded to the store; stopped by USR1 (exit
-    75) and run again from a fresh working directory, the script resumes from the store's snapshot and ends with
-    the loss of an uninterrupted run (on local storage: that one equals torchrun's, see the tests above); what
-    it restored from the store and left unchanged is not uploaded again."""
-    import pyarrow.fs as pafs
+@dataclass
+class StoppedOnObjectStorage:
+    """The session script launched into a bucket, stopped by USR1 and launched again (see `stopped_on_s3`)."""
 
-    epochs = ("--epochs", "12")
-    # The reference is launched, not torchrun'd: in `make test`'s lane (never alone, nor on its own machine) the
-    # torchrun'd script's rank 0 aborted at exit ("terminate called without an active exception") in two runs.
+    fs: pafs.S3FileSystem
+    run: str  # bucket/prefix of the run directory
+    stopped_code: int  # the stopped launch's exit code
+    stopped_output: str  # its stdout and stderr together
+    stopped_summary: dict  # the stopped run's summary.json, read from the store
+    kept_at: object  # the mtime of checkpoint/kept.txt, written into the store between the two runs
+    again: subprocess.CompletedProcess  # the same command from a fresh working directory
+    uninterrupted: dict  # the last steps.jsonl record of a launch that ran all EPOCHS unstopped (local storage)
+
+    def read(self, name: str) -> str:
+        with self.fs.open_input_stream(f"{self.run}/{name}") as stream:
+            return stream.read().decode()
+
+
+@pytest.fixture(scope="module")
+def stopped_on_s3(ray_address, s3_server, tmp_path_factory) -> StoppedOnObjectStorage:
+    """`--storage-path s3://...`, where checkpoint_dir() is a local folder uploaded to the store: the session script
+    (EPOCHS epochs, 0.05 s a step) gets USR1 on the launcher (Slurm's time-limit warning) once its first snapshot is
+    in the store; a file the script never writes is put into the store's checkpoint folder; then the same command
+    runs from a fresh working directory. One stop and one resume for every rule below (each launch costs some
+    20 s of Ray Train's start). The reference is launched, not torchrun'd: in `make test`'s lane (never alone, nor
+    on its own machine) the torchrun'd script's rank 0 aborted at exit ("terminate called without an active
+    exception") in two runs."""
+    tmp_path, epochs = tmp_path_factory.mktemp("session-on-s3"), ("--epochs", str(EPOCHS))
     (tmp_path / "reference").mkdir()
     reference = _launch(ray_address, tmp_path / "reference", "reference", str(SESSION_SCRIPT), *epochs)
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -305,20 +292,47 @@ def test_a_session_scripts_checkpoint_on_object_storage_survives_a_stop_and_resu
         output = stopping.communicate(timeout=300)[0]
     finally:
         stopping.kill()
-    assert stopping.returncode == 75, output[-3000:]
     with fs.open_input_stream(f"{run}/summary.json") as stream:
-        done = json.loads(stream.read())["final_metrics"]["step"]
-    assert done < 12, done
-    # a file of the checkpoint folder the resumed script never changes: restored, it is not uploaded again
+        stopped_summary = json.loads(stream.read())
     with fs.open_output_stream(f"{run}/checkpoint/kept.txt") as stream:
         stream.write(b"written once\n")
     kept_at = fs.get_file_info(f"{run}/checkpoint/kept.txt").mtime
-
     again = subprocess.run(command, cwd=second, capture_output=True, text=True, timeout=300)
+    return StoppedOnObjectStorage(fs, run, stopping.returncode, output, stopped_summary, kept_at, again, uninterrupted)
+
+
+def test_usr1_reaches_every_rank_which_stops_at_its_check_with_exit_75(stopped_on_s3):
+    """A stop signal on the launcher reaches every rank's script, which saves and returns: exit 75."""
+    output, summary = stopped_on_s3.stopped_output, stopped_on_s3.stopped_summary
+    assert stopped_on_s3.stopped_code == 75, output[-3000:]
+    assert summary["status"] == "stopped" and summary["stop_reason"].startswith("SIGUSR1"), summary
+    assert 1 <= summary["final_metrics"]["step"] < EPOCHS and "stopping after epoch" in output
+
+
+def test_the_same_command_resumes_from_the_scripts_snapshot_and_records_every_step_once(stopped_on_s3):
+    """Run again from a fresh working directory, the script resumes from the store's snapshot and finishes; every
+    reported step is in steps.jsonl once, with its spread over the ranks."""
+    again, done = stopped_on_s3.again, stopped_on_s3.stopped_summary["final_metrics"]["step"]
     assert again.returncode == 0, again.stderr[-3000:]
-    assert fs.get_file_info(f"{run}/checkpoint/kept.txt").mtime == kept_at
-    assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr
-    with fs.open_input_stream(f"{run}/steps.jsonl") as stream:
-        last = json.loads(stream.read().decode().splitlines()[-1])
-    assert last["step"] == uninterrupted["step"] == 12 and last["loss"] == uninterrupted["loss"], (last, uninterrupted)
-    assert fs.get_file_info(f"{run}/logs/rank-1.log").type == pafs.FileType.File
+    assert f"[rank 0] rank 0: resuming after epoch {done}" in again.stderr, again.stderr[-3000:]
+    steps = [json.loads(line) for line in stopped_on_s3.read("steps.jsonl").splitlines()]
+    assert [record["step"] for record in steps] == list(range(1, EPOCHS + 1))
+    assert all(record["world_size"] == 2 and "loss_per_rank" in record for record in steps)
+    assert json.loads(stopped_on_s3.read("summary.json"))["final_metrics"]["step"] == EPOCHS
+
+
+def test_a_run_resumed_from_object_storage_ends_with_the_loss_of_an_uninterrupted_run(stopped_on_s3):
+    """The resumed script carries on from the snapshot the store kept (on local storage a resumed script's weights
+    equal torchrun's: the tutorial's tests above); every rank's log is in the store."""
+    last, uninterrupted = json.loads(stopped_on_s3.read("steps.jsonl").splitlines()[-1]), stopped_on_s3.uninterrupted
+    assert last["step"] == uninterrupted["step"] == EPOCHS and last["loss"] == uninterrupted["loss"], (
+        last,
+        uninterrupted,
+    )
+    assert stopped_on_s3.fs.get_file_info(f"{stopped_on_s3.run}/logs/rank-1.log").type == pafs.FileType.File
+
+
+def test_what_a_resumed_script_restored_from_the_store_and_left_unchanged_is_not_uploaded_again(stopped_on_s3):
+    assert stopped_on_s3.again.returncode == 0, stopped_on_s3.again.stderr[-3000:]
+    kept = stopped_on_s3.fs.get_file_info(f"{stopped_on_s3.run}/checkpoint/kept.txt")
+    assert kept.mtime == stopped_on_s3.kept_at

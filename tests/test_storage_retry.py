@@ -287,8 +287,11 @@ def test_a_store_that_is_gone_ends_the_write_in_one_line(s3_server, monkeypatch)
 # ------------------------------------------------------------------ Ray runs whose store fails mid-run
 # 8 optimizer steps per epoch, a checkpoint every 4: epoch 1's two are uploaded whole; as epoch 2 starts, rank 0
 # (a worker hook) starts the store's fault, which epoch 2's checkpoint at step 4 meets (the driver writes nothing
-# then: its epoch 1 records are written, epoch 2's come only at its end).
+# then: its epoch 1 records are written, epoch 2's come only at its end). Two runs of one command serve every rule
+# below (each costs some 20 s of Ray Train's start): the first meets a store gone for good, the same command
+# again (which resumes at epoch 2) a store in trouble for a while.
 CHECKPOINT_UPLOAD = "the checkpoint of epoch 2 at step 4"
+FAULTY = "faulty"  # the run of the store gone, then in trouble
 
 
 def _train(ray_address: str, proxy: FaultyProxy, name: str) -> list[str]:
@@ -311,67 +314,50 @@ def _epochs(run_dir) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def store_in_trouble(ray_address, s3_server, store_proxy):
-    """The store answers 503 SlowDown to everything for 30 s from epoch 2's start: longer than pyarrow's own
-    retries (and Ray Train's 3 tries of an upload) absorb, inside the retry budget (60 s)."""
-    hooks = command_hooks("StoreFault", control=store_proxy.control("slow-down/30"), epoch=2)
-    try:
-        result = run_cli("raytrain_ddp.run", *_train(ray_address, store_proxy, "in-trouble"), env=hooks)
-    finally:
-        store_proxy.set_fault("up")
-    print(result.stderr)  # what the user saw, on failure
-    return result, _bucket(s3_server) / "in-trouble"
-
-
-@pytest.mark.ray
-def test_a_store_in_trouble_mid_run_is_waited_for_and_the_run_finishes(store_in_trouble):
-    result, run_dir = store_in_trouble
-    output = result.stderr
-    assert result.returncode == 0, output[-3000:]
-    retried = [line for line in output.splitlines() if "retrying for up to" in line]
-    upload = [line for line in retried if line.startswith(f"rank 0: Writing {CHECKPOINT_UPLOAD} to ")]
-    assert len(upload) == 1, output[-3000:]  # said once, however many tries it took
-    assert "s3://raytrain/store-faults/in-trouble failed (" in upload[0], upload
-    assert "SLOW_DOWN" in upload[0] or "HTTP status 503" in upload[0], upload
-    assert len(retried) == len({line.split(" failed (")[0] for line in retried}), retried  # once per write
-    assert "restarted the workers" not in output and "Traceback" not in output, output[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "finished" and summary["restarts"] == 0, summary
-    assert _epochs(run_dir) == [1, 2]
-
-
-@pytest.fixture(scope="module")
 def store_gone(ray_address, s3_server, store_proxy):
-    """The store stops answering for good as epoch 2 starts (budget 8 s); then it is back and the same command
-    runs again: (the first's output, what it left in the store, the second's output, what that left)."""
-    budget = {RETRY_BUDGET_ENV: "8"}
-    command = _train(ray_address, store_proxy, "gone")
+    """The store stops answering for good as epoch 2 starts: (the run's output, what it left in the store). Budget
+    2 s: each write the run still tries (the checkpoint, summary.json, the run's files) gives up after one attempt
+    of ours, not after the default 60 s."""
     hooks = command_hooks("StoreFault", control=store_proxy.control("down"), epoch=2)
     try:
-        first = run_cli("raytrain_ddp.run", *command, env={**hooks, **budget})
+        first = run_cli(
+            "raytrain_ddp.run", *_train(ray_address, store_proxy, FAULTY), env={**hooks, RETRY_BUDGET_ENV: "2"}
+        )
     finally:
         store_proxy.set_fault("up")
-    print(first.stderr)
-    run_dir = _bucket(s3_server) / "gone"
+    print(first.stderr)  # what the user saw, on failure
+    run_dir = _bucket(s3_server) / FAULTY
     recorded = _ray_compat.checkpoints_newest_first(_ray_compat.read_snapshot(run_dir) or {})
     left = {
         "names": sorted(path.name for path in run_dir.iterdir()),
         "recorded": recorded,
         "latest": torch.load(open_for_read(run_dir / recorded[0] / "checkpoint.pt"), weights_only=True),
     }
-    again = run_cli("raytrain_ddp.run", *command, env=budget)
+    return first, left
+
+
+@pytest.fixture(scope="module")
+def resumed_through_trouble(s3_server, store_gone, store_proxy, ray_address):
+    """The store back, the same command again: it resumes at epoch 2, where the store answers 503 SlowDown to
+    everything for 12 s: longer than pyarrow's own retries of one attempt absorb (some 5 s), so the upload is
+    retried by ours, well inside the retry budget (the default, 60 s). (Its output, what it left.)"""
+    hooks = command_hooks("StoreFault", control=store_proxy.control("slow-down/12"), epoch=2)
+    try:
+        again = run_cli("raytrain_ddp.run", *_train(ray_address, store_proxy, FAULTY), env=hooks)
+    finally:
+        store_proxy.set_fault("up")
     print(again.stderr)
-    after = {"epochs": _epochs(run_dir), "summary": json.loads((run_dir / "summary.json").read_text())}
-    return first, left, again, after
+    run_dir = _bucket(s3_server) / FAULTY
+    return again, {"epochs": _epochs(run_dir), "summary": json.loads((run_dir / "summary.json").read_text())}
 
 
 @pytest.mark.ray
 def test_a_store_gone_mid_run_ends_it_once_in_one_line_with_exit_code_74(store_gone):
-    first, _, _, _ = store_gone
+    first, _ = store_gone
     output, said = first.stderr, one_failure_line(first, EXIT_STORAGE_FULL)
     assert re.fullmatch(
         rf"Training failed: storage failed: the object store failed \(.+\) writing {CHECKPOINT_UPLOAD} to "
-        r"s3://raytrain/store-faults/gone; bring the store back \(or fix its access\) and run the same command "
+        rf"s3://raytrain/store-faults/{FAULTY}; bring the store back \(or fix its access\) and run the same command "
         r"again to resume",
         said,
     ), said
@@ -382,12 +368,31 @@ def test_a_store_gone_mid_run_ends_it_once_in_one_line_with_exit_code_74(store_g
 
 
 @pytest.mark.ray
-def test_a_store_gone_mid_run_keeps_the_latest_whole_checkpoint_and_the_same_command_resumes(store_gone):
-    _, left, again, after = store_gone
+def test_a_store_gone_mid_run_keeps_the_latest_whole_checkpoint_and_the_same_command_resumes(
+    store_gone, resumed_through_trouble
+):
+    (_, left), (again, after) = store_gone, resumed_through_trouble
     assert (left["latest"]["epoch"], left["latest"]["step_in_epoch"]) == (1, 0), left["names"]
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Resuming from checkpoint " in again.stderr, again.stderr[-3000:]
     assert after["epochs"] == [1, 2] and after["summary"]["status"] == "finished", after
+
+
+@pytest.mark.ray
+def test_a_store_in_trouble_mid_run_is_waited_for_and_the_run_finishes(resumed_through_trouble):
+    result, after = resumed_through_trouble
+    output = result.stderr
+    assert result.returncode == 0, output[-3000:]
+    retried = [line for line in output.splitlines() if "retrying for up to" in line]
+    upload = [line for line in retried if line.startswith(f"rank 0: Writing {CHECKPOINT_UPLOAD} to ")]
+    assert len(upload) == 1, output[-3000:]  # said once, however many tries it took
+    assert f"s3://raytrain/store-faults/{FAULTY} failed (" in upload[0], upload
+    assert "SLOW_DOWN" in upload[0] or "HTTP status 503" in upload[0], upload
+    assert len(retried) == len({line.split(" failed (")[0] for line in retried}), retried  # once per write
+    assert "restarted the workers" not in output and "Traceback" not in output, output[-3000:]
+    summary = after["summary"]
+    assert summary["status"] == "finished" and summary["restarts"] == 0, summary
+    assert after["epochs"] == [1, 2]
 
 
 @pytest.mark.ray
