@@ -432,13 +432,13 @@ def register_local_checkpoint(manager: Any, checkpoint_dir_name: str, metrics: d
     asyncio.run(register())
 
 
-def local_result(manager: Any, run_dir: RunPath, metrics: dict | None) -> Any:
+def local_result(manager: Any, run_dir: RunPath) -> Any:
     """A ray.train.Result of the manager's checkpoints, as the controller's fit() returns it."""
     from ray.train import Result
 
     latest = manager.latest_checkpoint_result
     return Result(
-        metrics=metrics,
+        metrics=None,  # the recorder has the run's metrics; Ray Train's Result is read for its checkpoints
         checkpoint=latest.checkpoint if latest else None,
         error=None,
         path=str(run_dir),

@@ -171,10 +171,11 @@ def test_a_nodes_ranks_beat_through_one_aggregator_and_past_it_once_it_is_gone(r
         ray.get(monitor.request_stop.remote("preempted"))
         links[1].epoch_finished({"epoch": 1, "rank": 1}, [])  # the node's post brings the answer back
         assert links[0].post(0, 2, 1, 32, 0.5, "training", 0, []) == "preempted"
-        ray.kill(links[0].aggregator, no_restart=True)
+        aggregator = links[0].aggregator.handle  # the actor behind the rank's channel to it
+        ray.kill(aggregator, no_restart=True)
         with pytest.raises(ray.exceptions.RayActorError):  # waits for it to be gone
             for _ in range(300):
-                ray.get(links[0].aggregator.__ray_call__.remote(lambda _self: None))
+                ray.get(aggregator.__ray_call__.remote(lambda _self: None))
                 time.sleep(0.1)
         assert links[1].post(1, 2, 1, 32, 0.5, "training", 0, []) == "preempted"
         events = ray.get(monitor.drain.remote())

@@ -191,10 +191,9 @@ class _TrainStream:
         for epoch in range(first, max(first, config.epochs) + 1):
             if pieces and len(pieces) + len(source.unit_rows) > MAX_STREAM_PIECES:
                 break  # the rest in a later stream: the task list stays small
-            augment_seed = seed_of(config.seed, epoch) if source.augments else None
-            epoch_part = shard.train_pieces(config, epoch, earlier_parts if epoch == first else ())
-            pieces += [(*piece, augment_seed) for piece in epoch_part]
-            self.rows_of_epoch[epoch] = sum(stop - start for _, start, stop in epoch_part)
+            epoch_part = shard.task_pieces(config, epoch, earlier_parts if epoch == first else ())
+            pieces += epoch_part
+            self.rows_of_epoch[epoch] = sum(stop - start for _, start, stop, _ in epoch_part)
             self.last = epoch
         # images cross the object store as uint8 and are normalised by the consumer (DeviceFeed)
         dataset = _tasks_dataset(source, _group_pieces(pieces, _task_rows(source.spec)), normalise=False)
@@ -278,8 +277,7 @@ class TrainShard:
             pieces = self.train_pieces(config, epoch, earlier_parts)
             return _to_torch(_in_memory_batches(self.source, pieces, config.batch_size, seed))
         if self.execution_options is None:
-            augment_seed = seed_of(config.seed, epoch) if self.source.augments else None
-            epoch_part = [(*piece, augment_seed) for piece in self.train_pieces(config, epoch, earlier_parts)]
+            epoch_part = self.task_pieces(config, epoch, earlier_parts)
             rows = BlockReader(_pieces_inputs(self.source, epoch_part, normalise=False))
             return _to_torch(window_shuffled(rows.read, config.batch_size, SHUFFLE_BUFFER_ROWS, seed))
         # A new stream for the first epoch, a jump, one left half read, or the rest of a resized epoch
@@ -289,6 +287,11 @@ class TrainShard:
             self.stream = _TrainStream(self, config, epoch, earlier_parts)
         self.stream.next_epoch = None
         return _to_torch(self.stream.epoch(epoch, config.batch_size, seed))
+
+    def task_pieces(self, config: TrainConfig, epoch: int, earlier_parts=()) -> list[TaskPiece]:
+        """train_pieces with the epoch's augmentation seed (None where the source does not augment)."""
+        augment_seed = seed_of(config.seed, epoch) if self.source.augments else None
+        return [(*piece, augment_seed) for piece in self.train_pieces(config, epoch, earlier_parts)]
 
     def train_pieces(self, config: TrainConfig, epoch: int, earlier_parts=()) -> list[tuple[int, int, int]]:
         """The rank's pieces of `epoch`, in order: its shard of the epoch, or of its rest after `earlier_parts`."""

@@ -126,7 +126,7 @@ class GeneratedSource:
 
     def __init__(self, config: TrainConfig, spec: DataSpec, ids: np.ndarray) -> None:
         self.spec, self.dataset, self.seed = spec, config.dataset, config.seed
-        self.unit_ids = [ids[at : at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
+        self.unit_ids = _chunk_ids(ids)
         self.unit_rows = tuple(len(unit) for unit in self.unit_ids)
         self._chunks: dict[int, dict[str, np.ndarray]] = {}
 
@@ -142,6 +142,11 @@ class GeneratedSource:
         yield rows  # model inputs already
 
 
+def _chunk_ids(ids: np.ndarray) -> list[np.ndarray]:
+    """The built-in split's ids in chunks of ROWS_PER_CHUNK: its units, in the object store or generated in a rank."""
+    return [ids[at : at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
+
+
 def _chunk(dataset: str, spec: DataSpec, ids: np.ndarray, seed: int) -> dict[str, np.ndarray]:
     """A chunk of built-in rows, generated from the seed and normalised: model inputs."""
     return to_model_inputs(synthetic.GENERATORS[dataset](ids, seed), spec)
@@ -153,7 +158,7 @@ def built_in_source(config: TrainConfig, spec: DataSpec, ids: np.ndarray, in_pro
     by each rank as it reads them."""
     if in_process:
         return GeneratedSource(config, spec, ids)
-    pieces = [ids[at : at + ROWS_PER_CHUNK] for at in range(0, len(ids), ROWS_PER_CHUNK)]
+    pieces = _chunk_ids(ids)
     return ChunkSource(
         spec,
         tuple(len(piece) for piece in pieces),

@@ -114,15 +114,14 @@ def storage_full_in(error: BaseException, run_dir: object) -> StorageFull | None
     """The full (or read-only) storage that ended the run (a rank's StorageFull, or a write of Ray Train's own
     into `run_dir`), else None: storage, not a rank, failed, so it is told alone. Ray Train's controller writes
     to an object store unretried: any OSError of its own there is the store's (a rank's is the rank's)."""
-    ranks = isinstance(error, WorkerGroupError)
-    failures = list(error.worker_failures.values()) if isinstance(error, WorkerGroupError) else [error]
-    for failure in failures:
+    ranks_failed = list(error.worker_failures.values()) if isinstance(error, WorkerGroupError) else []
+    for failure in ranks_failed or [error]:
         for cause in causes(_unwrapped(failure)):
             if isinstance(cause, StorageFull):
                 return cause
             if (full := full_storage_error(cause)) is not None:
                 return StorageFull.of(full, "the run's files", full.filename or run_dir)
-            if not ranks and isinstance(run_dir, RemotePath) and isinstance(cause, OSError):
+            if not ranks_failed and isinstance(run_dir, RemotePath) and isinstance(cause, OSError):
                 return StorageFull.store_failed(cause, RAY_TRAIN_RECORDS, run_dir)
     return None
 

@@ -82,7 +82,7 @@ class QuickMonitor:
     def result(self, run_dir: RunPath) -> Any:
         """The run's checkpoints as the ray.train.Result a full run's fit() returns."""
         with self.lock:
-            return _ray_compat.local_result(self.checkpoints, run_dir, None)
+            return _ray_compat.local_result(self.checkpoints, run_dir)
 
     def close(self) -> None:
         self.closed.set()

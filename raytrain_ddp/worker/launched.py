@@ -101,7 +101,7 @@ class Supervisor:
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.local_rank, self.node_rank = context.get_local_rank(), context.get_node_rank()
         self.local_world_size = context.get_local_world_size()
-        self.monitor, self.run_dir = args.monitor, location(args.run_dir)
+        self.run_dir = location(args.run_dir)
         self.logs = Spool(self.run_dir / "logs", fetch=(rank_log("", self.rank).name,))
         self.channel, self.on_stop, self.lines = Channel(), on_stop, 0
         self.checkpoint = self._local_checkpoint()
@@ -109,7 +109,7 @@ class Supervisor:
         self.output: list[str] = []  # teed lines not yet sent to the driver
         self.output_lock = threading.Lock()
         self.cpu_of: Callable[[], int] = lambda: _cpu_ticks(os.getpid())
-        self.link = DriverLink(RayChannel(self.monitor), self.rank)
+        self.link = DriverLink(RayChannel(args.monitor), self.rank)
         self.heartbeat = Heartbeat(self.link.post, self.rank, self.link.stop_reason)
         self.heartbeat.at(PHASE, 0, self.heartbeat.meter)
         threading.Thread(target=self._beat_forever, daemon=True, name="supervisor").start()

@@ -214,13 +214,14 @@ class DriverLink:
 
     def __init__(self, channel: MonitorChannel, rank: int) -> None:
         self.channel, self.rank = channel, rank
-        self.aggregator = None  # the node's NodeAggregator actor (a Ray handle), when the monitor gives one
+        self.aggregator: RayChannel | None = None  # to the node's NodeAggregator actor, when the monitor gives one
         self.stop_reason: str | None = None  # the driver's stop request as it stood when the rank started
         self._said_gone = False
         try:
             if channel.aggregates:
                 where = ray.get_runtime_context().get_node_id(), socket.gethostname()
-                self.aggregator, self.stop_reason = channel.call("aggregator_for", *where, timeout=POST_TIMEOUT_S)
+                aggregator, self.stop_reason = channel.call("aggregator_for", *where, timeout=POST_TIMEOUT_S)
+                self.aggregator = RayChannel(aggregator)
             else:
                 self.stop_reason = channel.call("stop_requested", timeout=POST_TIMEOUT_S)
         except Exception as err:  # an old monitor, or one busy: the rank posts to it directly
@@ -245,7 +246,7 @@ class DriverLink:
     def _send(self, method: str, *args):
         if self.aggregator is not None:
             try:
-                return RayChannel(self.aggregator).call(method, *args, timeout=POST_TIMEOUT_S)
+                return self.aggregator.call(method, *args, timeout=POST_TIMEOUT_S)
             except ray.exceptions.RayActorError as err:  # its process gone (restarting, or for good): the monitor
                 if not self._said_gone:
                     log.warning("rank %d: its node aggregator is gone (%s); posting to the run monitor", self.rank, err)
