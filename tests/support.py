@@ -275,15 +275,20 @@ def rank_epoch_message(rank: int, **overrides) -> dict:
     return {**message, **overrides}
 
 
-def script_rank_pid(script: Path, rank: int, timeout: float = 240) -> int:
-    """The pid of a launched `script`'s process for RANK=`rank`, found in the process table as an operator would
-    (the Slurm testbed's nodes share this host's)."""
+def script_rank_pid(script: Path, rank: int, job_id: int | None = None, timeout: float = 240) -> int:
+    """The pid of a launched `script`'s process for RANK=`rank`, found in the process table as an operator would:
+    the one Slurm job `job_id` runs (the testbed's nodes share this host's process table), else one this lane
+    started outside Slurm. Both lanes run the tutorial script; neither may kill the other's rank."""
+    ours = f"{LANE_ENV}={os.environ.get(LANE_ENV, '')}".encode()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
             try:
                 if entry.name.isdigit() and str(script).encode() in (entry / "cmdline").read_bytes():
-                    if f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    environ = (entry / "environ").read_bytes().split(b"\0")
+                    job = next((item for item in environ if item.startswith(b"SLURM_JOB_ID=")), None)
+                    mine = job == f"SLURM_JOB_ID={job_id}".encode() if job_id else job is None and ours in environ
+                    if mine and f"RANK={rank}".encode() in environ:
                         return int(entry.name)
             except OSError:
                 continue

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import EITHER_LANE_FILES, LANE_ENV, TESTBED_LANE_FILES, lane_of, processes_with
+from support import EITHER_LANE_FILES, LANE_ENV, TESTBED_LANE_FILES, lane_of, processes_with, script_rank_pid
 
 TESTS = Path(__file__).parent
 
@@ -42,5 +42,25 @@ def test_processes_the_other_lane_started_are_not_this_lanes() -> None:
         assert processes_with(needle.encode()) == [ours.pid]
     finally:
         for process in (ours, theirs):
+            process.kill()
+            process.wait()
+
+
+def test_a_scripts_rank_is_found_in_this_lane_or_in_the_slurm_job_named_never_in_the_other_lane() -> None:
+    """Both lanes SIGKILL rank 1 of the tutorial script (test_launch here, the Slurm job there): each finds only
+    its own (the other lane's, or a job's, would be killed in its place)."""
+    script = TESTS / f"rank-check-{os.urandom(4).hex()}.py"
+    sleeper = [sys.executable, "-c", "import sys, time; time.sleep(60)", str(script)]
+    rank_1 = {**os.environ, "RANK": "1"}
+    started = [  # first in the process table: the other lane's, then a Slurm job's, then this lane's
+        subprocess.Popen(sleeper, env={**rank_1, LANE_ENV: "the-other-lane"}),
+        subprocess.Popen(sleeper, env={**rank_1, "SLURM_JOB_ID": "7"}),
+        subprocess.Popen(sleeper, env=rank_1),
+    ]
+    try:
+        assert script_rank_pid(script, rank=1, timeout=10) == started[2].pid
+        assert script_rank_pid(script, rank=1, job_id=7, timeout=10) == started[1].pid
+    finally:
+        for process in started:
             process.kill()
             process.wait()

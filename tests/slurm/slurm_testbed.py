@@ -160,8 +160,19 @@ def log_text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def wait_for_line(log_path: Path, text: str, started: float, limit_s: float, what: str, poll_s: float = 1.0) -> None:
-    """Until `text` is in the job's log; fails with `what` and the log past `limit_s` from `started`."""
+def wait_for_line(
+    log_path: Path,
+    text: str,
+    started: float,
+    limit_s: float,
+    what: str,
+    poll_s: float = 1.0,
+    job_log: Path | None = None,
+) -> None:
+    """Until `text` is in the log at `log_path`; fails with `what` and that log (and the job's, `job_log`, where the
+    line is awaited in another file) past `limit_s` from `started`."""
     while text not in log_text(log_path):
-        assert time.monotonic() - started < limit_s, f"{what}:\n" + log_text(log_path)
+        if time.monotonic() - started >= limit_s:
+            job = f"\n--- the job's log:\n{log_text(job_log)[-6000:]}" if job_log else ""
+            raise AssertionError(f"{what}:\n{log_text(log_path)[-6000:]}{job}")
         time.sleep(poll_s)
