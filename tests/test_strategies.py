@@ -1,7 +1,8 @@
-"""Beyond plain DDP, on 2 CPU workers of a real Ray: precision, accumulation, schedules, compile (FSDP:
-test_object_storage and test_flag_matrix).
+"""Beyond plain DDP, on 2 CPU workers: precision, accumulation, schedules, compile (FSDP: test_object_storage and
+test_flag_matrix).
 
-Every run here is a real `fit()` (or CLI) with real gloo collectives.
+Every run here is a real `fit()` with real gloo collectives, on the quick path's local processes (`--quick-start`):
+the rules are the loop's, the same code under Ray Train's workers (Ray's part: test_train, test_data_train).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import torch
 from raytrain_ddp import TrainConfig
 from raytrain_ddp.worker.schedule import lr_factor, make_scheduler, optimizer_steps_per_epoch, resume_schedule
 
-pytestmark = pytest.mark.ray
-
 
 def _config(tmp_path: Path, name: str, **overrides) -> TrainConfig:
+    # the loop's rules: the quick path's local processes (Ray's part of a run is tested where it is the rule)
     values = dict(num_workers=2, epochs=1, storage_path=str(tmp_path), name=name, report=False, tensorboard=False)
+    values["quick_start"] = True
     return TrainConfig(**{**values, **overrides})
 
 
@@ -75,9 +76,7 @@ def test_a_schedule_resumed_at_another_world_size_follows_it():
 
 
 # ------------------------------------------------------------------ gradient accumulation
-def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step_and_a_compiled_model_trains(
-    ray_address, tmp_path
-):
+def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step_and_a_compiled_model_trains(tmp_path):
     """2 micro-batches of 32 == 1 batch of 64, to float tolerance; one gradient all-reduce per optimizer step.
     The batch-of-64 run is compiled (torch.compile under DDP): it trains to the same weights."""
     from raytrain_ddp import fit
@@ -110,13 +109,16 @@ def test_gradient_accumulation_is_exact_and_all_reduces_once_per_step_and_a_comp
 
 
 # ------------------------------------------------------------------ precision and schedules, end to end
-def test_fp16_with_grad_scaler_warmup_and_step_schedule(ray_address, tmp_path):
+def test_fp16_with_grad_scaler_warmup_and_step_schedule(tmp_path):
     from raytrain_ddp import fit
 
+    # the MLP: fp16 kernels are emulated on this CPU, a CNN's take minutes (the CNN with fp16 and channels-last:
+    # tests/test_flag_matrix.py)
     config = _config(
         tmp_path,
         "fp16",
-        model="cnn",
+        model="mlp",
+        dataset="synthetic-tabular",
         precision="fp16",
         epochs=2,
         train_size=1024,
@@ -127,7 +129,6 @@ def test_fp16_with_grad_scaler_warmup_and_step_schedule(ray_address, tmp_path):
         warmup_epochs=1,
         lr_schedule="step",
         clip_grad_norm=5.0,
-        channels_last=True,
     )
     result = fit(config)
     assert result.ok, result.summary["error"]

@@ -15,8 +15,7 @@ from worker_hooks import CountSyncs
 FIRST, LAST = 5, 125  # the steady micro-batches counted: after the first few, before the epoch's end
 
 
-@pytest.mark.ray
-def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path):
+def test_steady_steps_synchronise_only_at_the_cadences(tmp_path):
     from raytrain_ddp import TrainConfig, fit
     from raytrain_ddp.worker.loop import NAN_CHECK_EVERY, STOP_CHECK_EVERY
 
@@ -35,6 +34,7 @@ def test_steady_steps_synchronise_only_at_the_cadences(ray_address, tmp_path):
             record_sample_ids=True,
             storage_path=str(tmp_path),
             name="syncs",
+            quick_start=True,  # the loop's rule: its local processes
         ),
         hooks=CountSyncs(str(counts), first=FIRST, last=LAST),
     )
