@@ -10,6 +10,7 @@ use :mod:`raytrain_ddp.session`. docs/launch.md compares it with torchrun, mp.sp
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
     def launch_script():
         given = vars(build_parser(prog).parse_args(argv))
-        script, script_args, tee = given.pop("script"), given.pop("script_args"), given.pop("tee")
-        config = _config(given.pop("config", None), given)
+        script, script_args, tee = script_path(given.pop("script")), given.pop("script_args"), given.pop("tee")
+        config = _config(given.pop("config", None), given)  # both refused before torch and Ray are imported
         from raytrain_ddp.driver.fit import run
         from raytrain_ddp.driver.launch import LaunchedWork
 
@@ -126,6 +127,16 @@ def launch(target: Callable | str, args: Any = None, **settings: Any):
     else:
         raise ConfigError(f"launch() runs a function or a script's path, not {type(target).__name__}")
     return run(config, work)
+
+
+def script_path(script: str) -> str:
+    """The script as every worker finds it: an absolute path (workers start elsewhere)."""
+    path = os.path.abspath(script)
+    if not os.path.exists(path):
+        raise ConfigError(f"{script}: no such file (give the path of the training script to run on every worker)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{script} is not a file: give the path of a Python script (python SCRIPT.py ARGS)")
+    return path
 
 
 def _config(config_file: str | None, settings: dict) -> TrainConfig:

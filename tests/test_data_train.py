@@ -427,7 +427,10 @@ def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
     assert prepared.returncode == 0, prepared.stderr
     inspected = run_cli("raytrain_ddp.data", "inspect", str(out), timeout=60)
     assert inspected.returncode == 0 and "class_3" in inspected.stdout
-    # Training and scoring in this process, on the shared Ray (their CLIs are test_train.py's)
+    # Training and scoring in this process (their CLIs are test_train.py's), training on the quick path's local
+    # processes, which read the PNG rows as Ray Data's tasks do (test_quick_start compares their rows)
+    import dataclasses
+
     from raytrain_ddp import TrainConfig, fit
     from raytrain_ddp.evaluate import evaluate_checkpoint
 
@@ -441,7 +444,7 @@ def test_imagefolder_to_parquet_to_training(ray_address, tmp_path):
         storage_path=str(tmp_path / "runs"),
         name="folder",
     )
-    trained = fit(config)
+    trained = fit(dataclasses.replace(config, quick_start=True))
     assert trained.ok, trained.summary["error"]
     summary = json.loads((tmp_path / "runs" / "folder" / "summary.json").read_text())
     assert summary["final_metrics"]["val_rows"] == 60

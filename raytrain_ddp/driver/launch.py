@@ -20,7 +20,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver import run_directory
 from raytrain_ddp.driver.fit import describe_device, warn_if_fewer
 from raytrain_ddp.errors import ConfigError, plural
-from raytrain_ddp.launch import LAUNCH_FIELDS
+from raytrain_ddp.launch import LAUNCH_FIELDS, script_path
 from raytrain_ddp.plugins import import_root
 from raytrain_ddp.storage import RunPath, uri_of
 from raytrain_ddp.summary import RunSummary
@@ -70,7 +70,7 @@ class LaunchedWork:
         """Refuse, in one line, what cannot run; nothing started, nothing written. Returns the folder the
         function's module is imported from, for the workers."""
         if self.script is not None:
-            self.script = _script_path(self.script)
+            self.script = script_path(self.script)
         if self.tee not in TEE_CHOICES:
             raise ConfigError(f"--tee {self.tee!r} is unknown; choose one of: {', '.join(TEE_CHOICES)}")
         if run_directory.read_summary(config.run_dir).status == "finished":
@@ -139,13 +139,3 @@ class LaunchedWork:
             )
         else:
             log.info("Finished %s on %s in %.0fs", self.what, plural(summary.world_size, "worker"), summary.seconds)
-
-
-def _script_path(script: str) -> str:
-    """The script as every worker finds it: an absolute path (workers start elsewhere)."""
-    path = os.path.abspath(script)
-    if not os.path.exists(path):
-        raise ConfigError(f"{script}: no such file (give the path of the training script to run on every worker)")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{script} is not a file: give the path of a Python script (python SCRIPT.py ARGS)")
-    return path
