@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -11,9 +12,10 @@ from worker_hooks import SlowDataThenCompute
 pytestmark = pytest.mark.ray
 
 
-def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arrives_mid_epoch(ray_address, tmp_path):
+def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arrives_mid_epoch(tmp_path):
     """A straggler is named with what holds it up: rank 1 waits for its data in epoch 1 (its data wait is
-    long), then computes slower in epoch 2 (rank 0 waits for it inside the gradient all-reduce)."""
+    long), then computes slower in epoch 2 (rank 0 waits for it inside the gradient all-reduce). The loop's and
+    the driver's rules: on the quick path's local processes, no Ray Train start."""
     from raytrain_ddp import TrainConfig, fit
 
     # per batch of epoch 1, per micro-batch of epoch 2
@@ -32,6 +34,7 @@ def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arri
             report=False,
             tensorboard=False,
             profile_steps="39:42",  # the run has 40 optimizer steps: the window is cut by its end
+            quick_start=True,
         ),
         hooks=slow_rank_1,
     )
@@ -62,13 +65,17 @@ def test_a_rank_slow_in_data_then_in_compute_is_named_for_each_and_progress_arri
         table = json.loads((result.run_dir / "profile" / f"rank-{rank}.top_ops.json").read_text())
         assert table["steps"] == [39, 40] and table["ops"]
 
-    # Ray's own logs stay off the console but are linked from the run directory; worker lines say who wrote them
-    ray_logs = result.run_dir / "ray-logs"
-    assert ray_logs.is_dir()
+
+def test_ray_logs_are_linked_from_the_run_directory_and_worker_lines_say_who_wrote_them(shared_run):
+    """Ray's own logs stay off the console but are linked from the run directory."""
+    result, run_dir = shared_run
+    ray_logs = run_dir / "ray-logs"
+    assert ray_logs.is_dir() and "raylet.out" in os.listdir(ray_logs)
     worker_lines = "".join(
         p.read_text(errors="replace") for p in ray_logs.rglob("*") if p.is_file() and p.stat().st_size < 50_000_000
     )
     assert "[rank 1 on " in worker_lines and "training on cpu from epoch 1" in worker_lines
+    assert "[rank 1 on " not in result.stderr
 
 
 def test_mlflow_file_store_gets_params_and_metrics(trained_run, monkeypatch):
