@@ -222,7 +222,8 @@ def test_a_rank_that_raises_ends_the_run_in_one_line_with_its_error_and_exit_1(t
     args = quick_args(tmp_path, "diverged", "--epochs", "1", "--train-size", "512", "--lr", "1e12")
     result = run_cli("raytrain_ddp.run", *args, timeout=300)
     line = one_failure_line(result, exit_code=1)
-    assert line.startswith("Training failed: rank 0 (pid "), line
+    # both ranks diverge at the same check: whichever exits first on a busy machine is the one named
+    assert line.startswith(("Training failed: rank 0 (pid ", "Training failed: rank 1 (pid ")), line
     assert "failed: FloatingPointError: training loss is " in line and line.endswith("(exit code 1)"), line
 
 

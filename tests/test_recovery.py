@@ -229,3 +229,39 @@ def test_a_cluster_whose_gcs_dies_ends_the_run_in_one_line_with_a_summary(tmp_pa
     summary = json.loads((tmp_path / "headless" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("the Ray cluster went away"), summary
     assert 1 <= summary["epochs_completed"] < 30, summary
+
+
+def test_the_watchdog_ends_a_stalled_attempts_rank_once_while_ray_train_is_slow_to_end_it(
+    ray_address, tmp_path, caplog
+):
+    """On a busy node Ray Train may notice the ended rank after another hang timeout: the watchdog says its verdict
+    and ends the rank once per attempt (a second verdict, and a SIGKILL to a process already gone, were said)."""
+    import logging
+
+    import ray
+
+    from raytrain_ddp import TrainConfig
+    from raytrain_ddp.driver.monitor import RunRecorder
+    from raytrain_ddp.driver.watchdog import _end_stalled_attempt
+
+    config = TrainConfig(num_workers=2, storage_path=str(tmp_path), name="stalled", max_failures=0)
+    config.run_dir.mkdir(parents=True)
+    recorder = RunRecorder(config.run_dir, config, train_rows=512, world_size=2, sinks=[])
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    node_id = ray.get_runtime_context().get_node_id()
+    for rank, pid in ((0, os.getpid()), (1, stuck.pid)):
+        info = {"rank": rank, "world_size": 2, "hostname": "here", "node_id": node_id, "pid": pid}
+        recorder.consume([("started", rank, info)])
+    for rank, micro_batches in ((0, 5), (1, 2)):  # rank 1 furthest behind
+        where = dict(epoch=1, micro_batches=micro_batches, samples=64 * micro_batches, loss=1.0, phase="training")
+        recorder.consume([("progress", rank, {**where, "phase_done": 0, "time": time.monotonic()})])
+    try:
+        with caplog.at_level(logging.ERROR, logger="raytrain_ddp"):
+            _end_stalled_attempt(recorder, 4)
+            assert stuck.wait(timeout=30) == -signal.SIGKILL
+            _end_stalled_attempt(recorder, 4)  # a timeout later, Ray Train not yet done with the attempt
+    finally:
+        stuck.kill()
+    verdicts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Watchdog: no rank made progress")]
+    assert len(verdicts) == 1 and "rank 1 on here" in verdicts[0], verdicts
+    assert recorder.liveness.stuck_nodes == ["here"]

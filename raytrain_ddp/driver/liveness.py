@@ -51,6 +51,7 @@ class Liveness:
         self.last_news = time.monotonic()  # when any rank last said it was moving
         self.hangs: list[str] = []  # the watchdog's verdicts
         self.stuck_nodes: list[str] = []  # host names of the ranks it ended (the Slurm launcher excludes them)
+        self.ended_attempt: int | None = None  # the attempt (its restart count) whose stuck rank the watchdog ended
         self.nodes: dict[str, dict] = {}  # host -> its aggregator's latest message: "time", "ranks", "silent"
         self._said_silent: set[str] = set()  # the hosts `newly_silent_nodes` named
 

@@ -11,6 +11,7 @@ Both run on the monotonic clock; what a rank's position is lives in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -48,7 +49,8 @@ DRAIN_TIMEOUT_S = 5.0  # a drain that waits longer is retried; the GCS check dec
 
 @ray.remote(num_cpus=0)
 def _kill_process(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # gone already: what the kill was for
+        os.kill(pid, signal.SIGKILL)
 
 
 def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
@@ -56,6 +58,8 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
     any worker has started, only say that the start is slow."""
     liveness = recorder.liveness
     liveness.heard()  # the restarted attempt (or the start still under way) gets a full timeout of its own
+    if liveness.ended_attempt == recorder.restarts:
+        return  # its stuck rank is ended: Ray Train ends the attempt (slower than a timeout on a busy node)
     # Nothing to name or end while Ray Train starts the workers: a placement that never comes ends in Ray Train
     # (fit.WORKER_GROUP_PLACEMENT_WAIT_S, then its retries), a node that left in the capacity verdict.
     if not recorder.workers and not liveness.any_rank_reported:
@@ -82,6 +86,7 @@ def _end_stalled_attempt(recorder: RunRecorder, hang_timeout_s: int) -> None:
         _next(recorder),
     )
     liveness.stuck_nodes.append(worker["hostname"])
+    liveness.ended_attempt = recorder.restarts
     on_its_node = NodeAffinitySchedulingStrategy(worker["node_id"], soft=False)
     ray.get(_kill_process.options(scheduling_strategy=on_its_node).remote(worker["pid"]), timeout=30)
 
