@@ -298,6 +298,18 @@ def test_the_join_wait_names_a_bounded_list_of_the_nodes_it_waits_on_and_gives_u
     assert join_progress(1, 2, ["b"]) == "1 of 2 nodes joined, waiting on: b"  # a small job: every name, no count
 
 
+def test_a_workers_ray_start_that_exited_before_joining_is_started_again_but_not_the_heads_nor_a_refused_one():
+    """Seen on the testbed under load: rtnode2's raylet asked the head's GCS for its config, got "Deadline Exceeded"
+    and `ray start` exited; the job gave up (exit 3) though the head was up and a second try would join."""
+    from raytrain_ddp.cluster.plan import RAY_START_TRIES, nodes_to_start_again
+
+    assert nodes_to_start_again([1, 3], refused=set(), starts={0: 1, 1: 1, 2: 1, 3: 1}) == [1, 3]
+    assert nodes_to_start_again([0], refused=set(), starts={0: 1}) == []  # a new GCS would be a new cluster
+    assert nodes_to_start_again([1, 2], refused={2}, starts={1: 1, 2: 1}) == [1]  # its own check refused node 2
+    assert nodes_to_start_again([1], refused=set(), starts={1: RAY_START_TRIES - 1}) == [1]
+    assert nodes_to_start_again([1], refused=set(), starts={1: RAY_START_TRIES}) == []  # then the join wait fails
+
+
 def test_preflight_describes_a_large_cluster_by_its_node_shapes_in_a_bounded_line():
     from bench.bringup import fake_ray_nodes
     from raytrain_ddp import TrainConfig

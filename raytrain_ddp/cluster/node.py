@@ -303,7 +303,9 @@ def _run_node(plan: JobPlan, index: int, role: str, host: str, tag: str, tmp: st
         log.info("port %d busy here; dashboard agent uses %d", plan.ports.agent, agent_port)
     gpus = _checked_gpus(plan, index)
     Path(plan.job_dir, f"node.{index}").write_text(f"{plan.nodes[index]} {host} {ip}\n")
-    if plan.netcheck_timeout_s and len(plan.nodes) > 1 and not network_check(plan, index, ip, terms):
+    # A node started again (its first `ray start` exited before it joined) skips the check the job has passed.
+    checked = Path(plan.job_dir, "netcheck.ok").exists()
+    if plan.netcheck_timeout_s and len(plan.nodes) > 1 and not checked and not network_check(plan, index, ip, terms):
         return 0  # the launcher ends the job: this node's Ray is not started
     if role == "worker":
         wait_for_gcs(plan)

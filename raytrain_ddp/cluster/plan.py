@@ -358,6 +358,7 @@ def job_plan(
 
 
 NODES_NAMED = 10  # a join wait's message names this many missing nodes, then counts the others
+RAY_START_TRIES = 3  # a worker's `ray start` that exits before its node joins is run again, at most this often in all
 
 
 def some_names(names: list[str], sep: str = ", ") -> str:
@@ -379,6 +380,14 @@ def missing_from(nodes: list[str], reported: Mapping[int, tuple[str, str]], tabl
         if ip not in ips and host not in hosts and node not in hosts:
             out[node] = f"{node} ({ip})"
     return out
+
+
+def nodes_to_start_again(exited: list[int], refused: set[int], starts: Mapping[int, int]) -> list[int]:
+    """Of the nodes whose `ray start` exited before they joined (`exited`, node indexes), those to start again: a
+    worker's raylet that a busy GCS did not answer in time ("Failed to get node info: Deadline Exceeded") joins on a
+    later try. Never the head (a new GCS is a new cluster), nor a node whose own checks refused it (`refused`: it
+    would refuse again), nor one started RAY_START_TRIES times (`starts`, node index -> times started)."""
+    return [i for i in exited if i > 0 and i not in refused and starts.get(i, 1) < RAY_START_TRIES]
 
 
 def join_progress(joined: int, want: int, missing: list[str]) -> str:

@@ -44,11 +44,13 @@ from raytrain_ddp.cluster.node import (
 from raytrain_ddp.cluster.paths import UnsafePath, create_secret, private_dir
 from raytrain_ddp.cluster.plan import (
     EXIT_BRINGUP,
+    RAY_START_TRIES,
     JobPlan,
     hostport,
     join_failure,
     join_progress,
     missing_from,
+    nodes_to_start_again,
     some_names,
 )
 from raytrain_ddp.errors import EXIT_STORAGE_FULL, ConfigError, plural
@@ -99,7 +101,8 @@ def show_job(job_id: str) -> str:
 class Launcher:
     def __init__(self, trainer_args: list[str]) -> None:
         self.args = list(trainer_args)
-        self.steps: list[subprocess.Popen] = []
+        self.steps: list[subprocess.Popen] = []  # node index -> its srun step (the latest, where started again)
+        self.starts: dict[int, int] = {}  # node index -> how often its step was started
         self.readers: list[threading.Thread] = []  # copy each step's output into the job log
         self.trainer: subprocess.Popen | None = None
         self.got_usr1 = self.got_term = False
@@ -526,7 +529,11 @@ class Launcher:
         step = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         reader = threading.Thread(target=_prefix_lines, args=(step.stdout, f"[{node}] "), daemon=True)
         reader.start()
-        self.steps.append(step)
+        if index < len(self.steps):
+            self.steps[index] = step
+        else:
+            self.steps.append(step)
+        self.starts[index] = self.starts.get(index, 0) + 1
         self.readers.append(reader)
 
     def wait_for_head(self, timeout: float) -> None:
@@ -585,6 +592,17 @@ class Launcher:
                     return int(sum(n["cpus"] for n in table)), int(sum(n["gpus"] for n in table))
                 missing = self.missing_nodes(table)
                 dead = [i for i, step in enumerate(self.steps) if step.poll() is not None and plan.nodes[i] in missing]
+                if dead and time.monotonic() < deadline:
+                    refused = {i for i in dead if self.node_error(i)}
+                    for i in nodes_to_start_again(dead, refused, self.starts):
+                        log.info(
+                            "ray start exited on %s before the node joined; starting it again (try %d of %d)",
+                            plan.nodes[i],
+                            self.starts[i] + 1,
+                            RAY_START_TRIES,
+                        )
+                        self.start_node(i)
+                        dead.remove(i)
                 if dead or time.monotonic() > deadline:
                     errors = [e for e in map(self.node_error, dead) if e]
                     why = (

@@ -168,11 +168,14 @@ def wait_for_line(
     what: str,
     poll_s: float = 1.0,
     job_log: Path | None = None,
+    job_id: int | None = None,
 ) -> None:
     """Until `text` is in the log at `log_path`; fails with `what` and that log (and the job's, `job_log`, where the
-    line is awaited in another file) past `limit_s` from `started`."""
+    line is awaited in another file) past `limit_s` from `started`, or at once once job `job_id` has ended."""
     while text not in log_text(log_path):
-        if time.monotonic() - started >= limit_s:
+        ended = job_id is not None and not in_queue(job_id)
+        if ended or time.monotonic() - started >= limit_s:
             job = f"\n--- the job's log:\n{log_text(job_log)[-6000:]}" if job_log else ""
-            raise AssertionError(f"{what}:\n{log_text(log_path)[-6000:]}{job}")
+            why = f"job {job_id} ended" if ended else f"{limit_s:.0f}s"
+            raise AssertionError(f"{what} ({why}):\n{log_text(log_path)[-6000:]}{job}")
         time.sleep(poll_s)

@@ -42,7 +42,14 @@ def test_the_tutorial_script_runs_one_rank_per_node_and_a_killed_rank_resumes_fr
     t0, log_path, logs = time.monotonic(), wd / "job.out", wd / "runs" / "tutorial" / "logs"
     try:
         wait_for_line(
-            logs / "rank-1.log", "Epoch 1 |", t0, 300, "rank 1 never finished epoch 1", poll_s=0.2, job_log=log_path
+            logs / "rank-1.log",
+            "Epoch 1 |",
+            t0,
+            300,
+            "rank 1 never finished epoch 1",
+            poll_s=0.2,
+            job_log=log_path,
+            job_id=job_id,
         )
         os.kill(script_rank_pid(TUTORIAL, rank=1, job_id=job_id), signal.SIGKILL)
         while in_queue(job_id):
