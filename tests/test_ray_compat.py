@@ -99,3 +99,22 @@ def test_the_workers_of_a_ray_we_start_know_its_address(ray_address):
         return os.environ.get("RAY_ADDRESS")
 
     assert ray.get(address_seen_by_a_worker.remote()) == ray_address
+
+
+def test_the_retry_rule_reaches_ray_trains_controller_without_torch():
+    """The failure policy carries may_retry to Ray Train's controller, which unpickles it: importing its module there
+    imported torch as well (torch_trainer ran at its import; 3-5 CPU seconds of every run's start, in a process that
+    trains nothing). Unpickled here as the controller does, in a new interpreter."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from raytrain_ddp.driver.failures import may_retry
+
+    loads = "import sys, ray.cloudpickle as p; p.loads(sys.stdin.buffer.read()); print('torch' in sys.modules)"
+    unpickled = subprocess.run(
+        [sys.executable, "-c", loads], input=cloudpickle.dumps(may_retry), capture_output=True, cwd=ROOT, timeout=120
+    )
+    assert unpickled.returncode == 0, unpickled.stderr[-2000:]
+    assert unpickled.stdout.decode().strip() == "False"

@@ -136,7 +136,3 @@ def _unwrapped(error: BaseException) -> BaseException:
             break
         error = inner
     return error
-
-
-# TorchTrainer with that rule in its failure policy (and Ctrl-C left to fit())
-RetryRuleTorchTrainer = _ray_compat.torch_trainer(may_retry)

@@ -36,7 +36,7 @@ from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, local
 from raytrain_ddp.data.spec import DataPlan, DataSpec, plan_data, plugin_plan
 from raytrain_ddp.driver import dashboard, preflight, quick, run_directory, run_lock, tracker
 from raytrain_ddp.driver.console import finished_text
-from raytrain_ddp.driver.failures import RetryRuleTorchTrainer, describe_failure, storage_full_in
+from raytrain_ddp.driver.failures import describe_failure, may_retry, storage_full_in
 from raytrain_ddp.driver.mlflow_log import MlflowLog
 from raytrain_ddp.driver.monitor import RunRecorder, start_monitor
 from raytrain_ddp.driver.signals import INTERRUPT_REASON, StopSignal, interrupts_deferred, stop_on_signals
@@ -293,7 +293,9 @@ def _make_trainer(config: TrainConfig, work, monitor, start_workers: int, data_k
     # (Ray Train's own count would fill every CPU and starve the data pipeline).
     workers = (config.min_workers, start_workers) if config.min_workers else config.num_workers
     train_loop, loop_config, datasets, dataset_config = work.trainer_parts(config, monitor)
-    return RetryRuleTorchTrainer(
+    # TorchTrainer with may_retry in its failure policy, made here, not where may_retry is defined: Ray Train's
+    # controller unpickles the policy, so it imports driver/failures.py, which then imports no torch
+    return _ray_compat.torch_trainer(may_retry)(
         train_loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(
