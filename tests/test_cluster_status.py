@@ -1,14 +1,56 @@
 """What fits the cluster: `python -m raytrain_ddp.cluster status`, the per-node table preflight checks requests
-against, and an elastic start on what fits."""
+against, and an elastic start on what fits; and that a local Ray we start is private (first in its lane: no Ray
+head of another test listens beside it)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import stat
+from pathlib import Path
 
 import pytest
-from support import run_cli
+from support import listening_addresses, processes_with, run_cli
 
 from raytrain_ddp import _ray_compat
+
+
+@pytest.mark.ray
+def test_a_local_ray_is_private(ray_address):
+    """The session's Ray, started as the command starts one: its token file is new, 0600 in a 0700 directory
+    of its own (not ~/.ray/auth_token, 0644 and kept for ever), and its GCS and raylet were started with it;
+    every listener of the Ray processes it started is on loopback (not 0.0.0.0 or ::)."""
+    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
+    assert token.parent.parent == Path.home() / ".raytrain", token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    started_with = f"RAY_AUTH_TOKEN_PATH={token}".encode()
+    for program in (b"gcs_server", b"raylet"):
+        assert any(started_with in _environment(pid) for pid in processes_with(program)), program
+    # the Ray processes this one started (its own sockets include other tests', a torch TCPStore's)
+    listening = [found for found in listening_addresses(os.getpid()) if found[2] != os.getpid()]
+    programs = {Path(_command(pid)[0]).name for _, _, pid in listening}
+    assert {"gcs_server", "raylet"} <= programs, listening  # the GCS, the raylet and its object manager...
+    open_to_all = [(address, port, _command(pid)) for address, port, pid in listening if not _loopback(address)]
+    assert not open_to_all, open_to_all  # ...the workers' gRPC servers, the agents: loopback only
+
+
+def _loopback(address: str) -> bool:
+    parsed = ipaddress.ip_address(address)
+    return (getattr(parsed, "ipv4_mapped", None) or parsed).is_loopback
+
+
+def _command(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return ["?"]
+
+
+def _environment(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or another user's
+        return b""
 
 
 @pytest.mark.ray

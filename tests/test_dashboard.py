@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ipaddress
 import json
 import os
 import secrets
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO, dashboard_get, kill_tree, listening_addresses, processes_with, train_api_run
+from support import REPO, dashboard_get, kill_tree, processes_with, train_api_run
 
 from raytrain_ddp.driver.dashboard import TRAIN_RUNS_API, login_hint
 from raytrain_ddp.files import create_private
@@ -50,26 +49,6 @@ def _wait_for(predicate, what: str, timeout: float, process: subprocess.Popen | 
             pytest.fail(f"the run ended before {what}:\n{process.stdout.read()[-3000:]}")
         time.sleep(1)
     pytest.fail(f"no {what} within {timeout:.0f}s")
-
-
-@pytest.mark.ray
-def test_a_local_ray_is_private(ray_address):
-    """(First in this file: the Ray head of the tests below listens on every interface, as a Slurm job's does.)
-    The session's Ray, started as the command starts one: its token file is new, 0600 in a 0700 directory
-    of its own (not ~/.ray/auth_token, 0644 and kept for ever), and its GCS and raylet were started with it;
-    every listener of the Ray processes it started is on loopback (not 0.0.0.0 or ::)."""
-    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
-    assert token.parent.parent == Path.home() / ".raytrain", token
-    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
-    started_with = f"RAY_AUTH_TOKEN_PATH={token}".encode()
-    for program in (b"gcs_server", b"raylet"):
-        assert any(started_with in _environment(pid) for pid in processes_with(program)), program
-    # the Ray processes this one started (its own sockets include other tests', a torch TCPStore's)
-    listening = [found for found in listening_addresses(os.getpid()) if found[2] != os.getpid()]
-    programs = {Path(_command(pid)[0]).name for _, _, pid in listening}
-    assert {"gcs_server", "raylet"} <= programs, listening  # the GCS, the raylet and its object manager...
-    open_to_all = [(address, port, _command(pid)) for address, port, pid in listening if not _loopback(address)]
-    assert not open_to_all, open_to_all  # ...the workers' gRPC servers, the agents: loopback only
 
 
 @pytest.fixture(scope="module")
@@ -242,25 +221,6 @@ def test_a_ray_on_loopback_only_is_told_from_one_on_every_interface():
         assert _loopback_only("127.0.0.1", private.getsockname()[1])
         assert _loopback_only("localhost", private.getsockname()[1])
         assert not _loopback_only("127.0.0.1", everywhere.getsockname()[1])
-
-
-def _loopback(address: str) -> bool:
-    parsed = ipaddress.ip_address(address)
-    return (getattr(parsed, "ipv4_mapped", None) or parsed).is_loopback
-
-
-def _command(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return ["?"]
-
-
-def _environment(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:  # gone, or another user's
-        return b""
 
 
 def _browse(dashboard: str, token: str, page: str, expect: tuple[str, ...], profile: Path) -> tuple[str, bytes]:

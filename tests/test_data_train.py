@@ -396,6 +396,39 @@ def test_a_resize_with_another_seed_or_micro_batch_size_starts_the_epoch_over():
             assert trainer.restore(changed, resizable=True).earlier_parts == (), change
 
 
+@pytest.mark.ray
+def test_the_quick_paths_shards_are_the_full_paths_rows_in_the_same_order(ray_address, tabular_data):
+    """--quick-start's ranks read their own shards (driver/quick.py): Parquet (row groups read with pyarrow in the
+    rank) and the built-in rows (generated in the rank). Every rank's train batches of each epoch and its val
+    batches are the Ray Data path's, row for row."""
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, local_sources
+    from raytrain_ddp.data.spec import plan_data
+
+    parquet = _config(tabular_data)
+    built_in = TrainConfig(num_workers=2, epochs=2, train_size=1500, val_size=700)
+    for config in (parquet, built_in):
+        plan = plan_data(config)
+        full = ShardingDataConfig().configure(build_datasets(config, plan), 2, None, None)
+        for rank in (0, 1):
+            local_train, local_val = local_sources(config, plan).rank_inputs(rank, 2)
+            for epoch in (1, 2):
+                ours = list(local_train.host_batches(config, epoch))
+                theirs = list(full[rank]["train"].host_batches(config, epoch))
+                _same_batches(ours, theirs)
+            (ours, most), (theirs, their_most) = local_val.batches(64), full[rank]["val"].batches(64)
+            assert most == their_most
+            _same_batches(list(ours), list(theirs))
+
+
+def _same_batches(ours: list[dict], theirs: list[dict]) -> None:
+    assert len(ours) == len(theirs)
+    for mine, their in zip(ours, theirs):
+        assert set(mine) == set(their)
+        for name in mine:
+            assert torch.equal(mine[name], their[name]), name
+
+
 def _image_folder(root: Path, per_class: int = 60) -> Path:
     """4 classes of 16x16 PNGs, each class its own dominant colour under noise."""
     rng = np.random.default_rng(0)

@@ -18,9 +18,10 @@ def test_every_file_named_for_the_testbed_lane_exists() -> None:
     assert not TESTBED_LANE_FILES & EITHER_LANE_FILES
 
 
-def test_no_file_for_either_lane_uses_the_session_ray() -> None:
+def test_no_file_of_the_testbed_lane_or_for_either_lane_uses_the_session_ray() -> None:
     # run by the testbed's lane, it would start a second session Ray beside the local-Ray lane's
-    assert [name for name in sorted(EITHER_LANE_FILES) if "ray_address" in (TESTS / name).read_text()] == []
+    named = sorted(TESTBED_LANE_FILES | EITHER_LANE_FILES)
+    assert [name for name in named if "ray_address" in (TESTS / name).read_text()] == []
 
 
 def test_slurm_tests_and_the_named_files_run_in_the_testbed_lane_and_the_rest_beside_it() -> None:

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from support import REPO, one_failure_line, processes_left, processes_with, run_cli
-from test_data_train import FEATURES, _config, tabular_data  # noqa: F401 (tabular_data: a fixture)
 from test_train import EPOCH_KEYS, SUMMARY_KEYS
 
 EPOCHS, TRAIN_ROWS, VAL_ROWS = 2, 2048, 512
@@ -125,51 +124,19 @@ def test_a_quick_run_resumes_from_its_latest_checkpoint(quick_run):
     assert json.loads((run_dir / "summary.json").read_text())["epochs_completed"] == 3
 
 
-@pytest.mark.ray
-def test_the_full_path_resumes_a_quick_runs_checkpoint(quick_run, ray_address, tmp_path):
-    """A copy of the quick run, continued one more epoch without --quick-start (on a Ray cluster): Ray Train hands
-    the workers the quick run's latest checkpoint from the snapshot the quick driver kept."""
+def test_the_full_path_resumes_a_quick_runs_checkpoint(quick_run, tmp_path):
+    """A copy of the quick run, continued one more epoch without --quick-start (on the local Ray the command starts,
+    as a user's would): Ray Train hands the workers the quick run's latest checkpoint from the snapshot the quick
+    driver kept."""
     _, run_dir = quick_run
     shutil.copytree(run_dir, tmp_path / "quick")
     done = json.loads((run_dir / "summary.json").read_text())["epochs_completed"]
     more = quick_args(tmp_path, "quick", "--epochs", str(done + 1))
-    result = run_cli("raytrain_ddp.run", *[a for a in more if a != "--quick-start"], "--address", ray_address)
+    result = run_cli("raytrain_ddp.run", *[a for a in more if a != "--quick-start"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resuming from checkpoint" in result.stderr, result.stderr
     epochs = _records(tmp_path / "quick", "metrics.jsonl")
     assert [epoch["epoch"] for epoch in epochs] == list(range(1, done + 2))
-
-
-@pytest.mark.ray
-def test_the_quick_paths_shards_are_the_full_paths_rows_in_the_same_order(ray_address, tabular_data):  # noqa: F811
-    """Parquet (row groups read with pyarrow in the rank) and the built-in rows (generated in the rank): every
-    rank's train batches of each epoch and its val batches are the Ray Data path's, row for row."""
-    from raytrain_ddp.config import TrainConfig
-    from raytrain_ddp.data.pipeline import ShardingDataConfig, build_datasets, local_sources
-    from raytrain_ddp.data.spec import plan_data
-
-    parquet = _config(tabular_data)
-    built_in = TrainConfig(num_workers=2, epochs=2, train_size=1500, val_size=700)
-    for config in (parquet, built_in):
-        plan = plan_data(config)
-        full = ShardingDataConfig().configure(build_datasets(config, plan), 2, None, None)
-        for rank in (0, 1):
-            local_train, local_val = local_sources(config, plan).rank_inputs(rank, 2)
-            for epoch in (1, 2):
-                ours = list(local_train.host_batches(config, epoch))
-                theirs = list(full[rank]["train"].host_batches(config, epoch))
-                _same_batches(ours, theirs)
-            (ours, most), (theirs, their_most) = local_val.batches(64), full[rank]["val"].batches(64)
-            assert most == their_most
-            _same_batches(list(ours), list(theirs))
-
-
-def _same_batches(ours: list[dict], theirs: list[dict]) -> None:
-    assert len(ours) == len(theirs)
-    for mine, their in zip(ours, theirs):
-        assert set(mine) == set(their)
-        for name in mine:
-            assert torch.equal(mine[name], their[name]), name
 
 
 def _rank_pid(rank: int, timeout: float = 120) -> int:
