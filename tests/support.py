@@ -228,7 +228,6 @@ TESTBED_LANE_FILES = {
     "test_data_prepare.py",
     "test_data_validate.py",
     "test_docs.py",
-    "test_examples.py",  # each example on the local Ray it starts, as a user runs it
     "test_gpu_check.py",
     "test_dashboard.py",  # a Ray head of its own, with its dashboard
     "test_interrupt.py",  # a Ray of its own per test, started by the command (Ctrl-C reaches all of it)

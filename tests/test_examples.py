@@ -1,5 +1,5 @@
-"""Every example runs, on a small setting, as a user runs it: on the local Ray it starts (the FSDP example into a
-bucket: tests/test_object_storage.py; the Hugging Face one: tests/test_hf_example.py)."""
+"""Every example runs, on a small setting, against the session's Ray (the FSDP example into a bucket:
+tests/test_object_storage.py; the Hugging Face one: tests/test_hf_example.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,19 @@ from support import REPO, run_python_file
 pytestmark = pytest.mark.ray
 
 
-def test_train_from_python_example(tmp_path):
-    result = run_python_file(REPO / "examples" / "train_from_python.py", cwd=tmp_path)
+def test_train_from_python_example(ray_address, tmp_path):
+    result = run_python_file(REPO / "examples" / "train_from_python.py", cwd=tmp_path, env={"RAY_ADDRESS": ray_address})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "status: finished" in result.stdout and "replicas identical: True" in result.stdout
     summary = json.loads((tmp_path / "runs" / "from-python" / "summary.json").read_text())
     assert summary["epochs_completed"] == 2
 
 
-def test_custom_plugins_example(tmp_path):
+def test_custom_plugins_example(ray_address, tmp_path):
     result = run_python_file(
         REPO / "examples" / "custom_plugins.py",
         cwd=tmp_path,
+        env={"RAY_ADDRESS": ray_address},
         args=["--epochs", "2", "--train-size", "1024", "--val-size", "256", "--name", "plugins-example", "--no-report"],
     )
     assert result.returncode == 0, result.stderr[-3000:]
