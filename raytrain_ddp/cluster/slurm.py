@@ -594,7 +594,8 @@ class Launcher:
                 dead = [i for i, step in enumerate(self.steps) if step.poll() is not None and plan.nodes[i] in missing]
                 if dead and time.monotonic() < deadline:
                     refused = {i for i in dead if self.node_error(i)}
-                    for i in nodes_to_start_again(dead, refused, self.starts):
+                    again = nodes_to_start_again(dead, refused, self.starts)
+                    for i in again:
                         log.info(
                             "ray start exited on %s before the node joined; starting it again (try %d of %d)",
                             plan.nodes[i],
@@ -602,7 +603,7 @@ class Launcher:
                             RAY_START_TRIES,
                         )
                         self.start_node(i)
-                        dead.remove(i)
+                    dead = [i for i in dead if i not in again]
                 if dead or time.monotonic() > deadline:
                     errors = [e for e in map(self.node_error, dead) if e]
                     why = (

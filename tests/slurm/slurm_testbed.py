@@ -172,8 +172,11 @@ def wait_for_line(
 ) -> None:
     """Until `text` is in the log at `log_path`; fails with `what` and that log (and the job's, `job_log`, where the
     line is awaited in another file) past `limit_s` from `started`, or at once once job `job_id` has ended."""
+    next_look = time.monotonic()  # Slurm is asked about the job once a second, not at every poll of the log
     while text not in log_text(log_path):
-        ended = job_id is not None and not in_queue(job_id)
+        ended = False
+        if job_id is not None and time.monotonic() >= next_look:
+            ended, next_look = not in_queue(job_id), time.monotonic() + 1
         if ended or time.monotonic() - started >= limit_s:
             job = f"\n--- the job's log:\n{log_text(job_log)[-6000:]}" if job_log else ""
             why = f"job {job_id} ended" if ended else f"{limit_s:.0f}s"
