@@ -230,16 +230,19 @@ TESTBED_LANE_FILES = {
     "test_docs.py",
     "test_gpu_check.py",
     "test_dashboard.py",  # a Ray head of its own, with its dashboard
-    "test_interrupt.py",  # a Ray of its own per test, started by the command (Ctrl-C reaches all of it)
+    "test_interrupt.py",  # a Ray of its own per test, started by the command (Ctrl-C reaches all of it; its GCS dies)
     "test_launch_parts.py",
     "test_messages.py",
+    "test_observe.py",  # conftest.shared_run (a Ray its command starts) and the quick path's local processes
     "test_quick_start.py",  # the quick path's local processes; the full path's resume on a Ray the command starts
     "test_recorder.py",
+    "test_report.py",  # conftest.shared_run's files
     "test_run_directory.py",
     "test_slurm_plan.py",
     "test_start_cost.py",
     "test_strategies.py",  # the loop's rules on the quick path's local processes
     "test_summary.py",
+    "test_train.py",  # conftest.shared_run's output and files
 }
 
 

@@ -1,16 +1,17 @@
 """What fits the cluster: `python -m raytrain_ddp.cluster status`, the per-node table preflight checks requests
-against, and an elastic start on what fits; and that a local Ray we start is private (first in its lane: no Ray
-head of another test listens beside it)."""
+against, an elastic start on what fits and the requests that cannot fit, refused in seconds; and that a local Ray
+we start is private (first in its lane: no Ray head of another test listens beside it)."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
-from support import listening_addresses, processes_with, run_cli
+from support import listening_addresses, processes_with, run_cli, run_python_file
 
 from raytrain_ddp import _ray_compat
 
@@ -114,3 +115,82 @@ def test_status_without_a_cluster_is_one_line_and_exit_2():
     result = run_cli("raytrain_ddp.cluster", "status", "--address", "127.0.0.1:1", timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: cannot connect to the Ray cluster at 127.0.0.1:1: Connection refused"
+
+
+# ------------------------------------------------------------------ requests that cannot fit, refused in seconds
+@pytest.mark.ray
+def test_infeasible_request_fails_in_seconds(ray_address, tmp_path):
+    started = time.monotonic()
+    result = run_cli(
+        "raytrain_ddp.run", "--address", ray_address, "--num-workers", "8", "--storage-path", str(tmp_path), timeout=60
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert (
+        "asked for 8 workers x 1 CPU" in line
+        and "hold 2 beside 1 CPU for Ray Data loading" in line
+        and "try --num-workers 2" in line
+    )
+    assert elapsed < 30  # not Ray Train's 60 s start timeout, nor for ever
+    assert not any(tmp_path.iterdir())
+
+
+def _refusal(tmp_path, **fields) -> str:
+    """What fit() on the shared Ray says to a request it must refuse (the CLI prints it as one `error:` line,
+    exit code 2: test_infeasible_request_fails_in_seconds); nothing is written."""
+    from raytrain_ddp import TrainConfig, fit
+    from raytrain_ddp.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        fit(TrainConfig(storage_path=str(tmp_path), **fields))
+    assert not any(tmp_path.iterdir())
+    return str(refused.value)
+
+
+@pytest.mark.ray
+def test_elastic_request_that_cannot_reach_its_minimum_is_refused(ray_address, tmp_path):
+    message = _refusal(tmp_path, num_workers=8, min_workers=3)
+    assert "asked for at least 3 workers x 1 CPU" in message and "try --min-workers 2" in message
+
+
+@pytest.mark.ray
+def test_request_that_starves_data_loading_fails_in_seconds(ray_address, tmp_path):
+    message = _refusal(tmp_path, num_workers=2, cpus_per_worker=1.5)
+    assert "hold 1 beside 1 CPU for Ray Data loading" in message and "try --num-workers 1" in message
+
+
+GPUS_RAY_SEES_CUDA_DOES_NOT = """
+import sys
+import ray
+from raytrain_ddp.run import main
+# This machine has no GPU: a Ray that counts one is exactly Ray seeing a GPU that CUDA does not.
+ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, object_store_memory=100 * 2**20,
+         log_to_driver=False)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.ray
+def test_gpus_ray_counts_but_cuda_cannot_see_fail_in_seconds(tmp_path):
+    script = tmp_path / "fake_gpu_cluster.py"
+    script.write_text(GPUS_RAY_SEES_CUDA_DOES_NOT)
+    started = time.monotonic()
+    result = run_python_file(
+        script,
+        tmp_path,
+        args=["--use-gpu", "--num-workers", "1", "--storage-path", str(tmp_path / "runs")],
+        timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --use-gpu: Ray counts GPUs on ") and "but CUDA sees none in a Ray worker" in line
+    assert "CUDA_VISIBLE_DEVICES=0" in line, line  # Ray did hand the worker its GPU
+    assert elapsed < 60
+    assert not any((tmp_path / "runs").iterdir())  # the storage dir is checked writable; no run dir
+
+
+@pytest.mark.ray
+def test_gpu_request_without_gpus_fails_in_seconds(ray_address, tmp_path):
+    assert "--use-gpu, but no GPU in the Ray cluster" in _refusal(tmp_path, use_gpu=True)

@@ -1,5 +1,6 @@
 """Ctrl-C, for real: the CLI in a pseudo-terminal (the terminal sends the SIGINT), and fit() in a real
-Jupyter kernel. Each ends promptly, says so, writes its summary and leaves no worker; later interrupts work."""
+Jupyter kernel; and the CLI's Ray going away under it (its GCS SIGKILLed). Each ends promptly, says so, writes
+its summary and leaves no worker; later interrupts work."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO, processes_left
+from support import REPO, descendants, kill_tree, processes_left
 
 pytestmark = pytest.mark.ray
 
@@ -144,3 +145,33 @@ def _message(channel, message_id: str, timeout: float, what: str, kind: str | No
         if message["parent_header"].get("msg_id") == message_id and kind in (None, message["msg_type"]):
             return message
     pytest.fail(f"no {what} within {timeout:.0f}s")
+
+
+def test_a_cluster_whose_gcs_dies_ends_the_run_in_one_line_with_a_summary(tmp_path):
+    """The head node's Ray goes (here its GCS is SIGKILLed; on Slurm a cancelled step or a lost head node):
+    Ray's core worker would wait 60 s, then end the driver with no summary and no word of why. The watcher
+    calls the cluster gone first (at its next check: the GCS of a Ray the command started cannot come back, so
+    the 15 s that a remote one gets are not waited): exit 1, the reason in one line, summary.json with the epochs
+    done."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own, started by the command
+    run_dir, settings = tmp_path / "headless", ("--epochs", "30", "--train-size", "2048", "--val-size", "256")
+    command = [sys.executable, "-m", "raytrain_ddp.run", *settings, "--storage-path", str(tmp_path)]
+    command += ["--name", "headless", "--no-report", "--no-tensorboard"]
+    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_epoch_1(run_dir, alive=lambda: run.poll() is None)
+        gcs = [pid for pid in descendants(run.pid) if b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(gcs) == 1, gcs
+        os.kill(gcs[0], signal.SIGKILL)
+        output = run.communicate(timeout=300)[0]
+    finally:
+        if run.poll() is None:
+            kill_tree(run)
+    assert run.returncode == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("Training failed: ")]
+    assert len(said) == 1 and "the Ray cluster went away: its GCS at " in said[0], output[-3000:]
+    assert " ended (the Ray this command started; exit code -9)" in said[0], said
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("the Ray cluster went away"), summary
+    assert 1 <= summary["epochs_completed"] < 30, summary

@@ -27,7 +27,8 @@ def test_no_file_of_the_testbed_lane_or_for_either_lane_uses_the_session_ray() -
 def test_slurm_tests_and_the_named_files_run_in_the_testbed_lane_and_the_rest_beside_it() -> None:
     assert lane_of("tests/slurm/test_gpu_slurm.py::test_gpu_job_reaches_the_cuda_probe") == "testbed"
     assert lane_of("tests/test_docs.py::test_readme[x::y]") == "testbed"
-    assert lane_of("tests/test_train.py::test_python_api_elastic_start_on_uneven_data") == "local-ray"
+    assert lane_of("tests/test_train.py::test_default_run_learns") == "testbed"  # the shared run's own Ray
+    assert lane_of("tests/test_cluster_status.py::test_python_api_elastic_start_on_uneven_data") == "local-ray"
     assert lane_of("tests/test_ray_compat.py::test_a_tested_ray_is_quiet[2.60.0]") == "local-ray"
     assert lane_of("tests/test_bench.py::test_smoke_bench_writes_the_three_figures") == "either"
 
