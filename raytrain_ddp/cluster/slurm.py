@@ -571,17 +571,7 @@ class Launcher:
         want = len(plan.nodes)
         log.info("waiting up to %.0fs for %s to join %s", timeout, plural(want, "node"), plan.head_address)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                preflight.init_ray(plan.head_address, logging_level=logging.ERROR, log_to_driver=False)
-                self.install_signal_handlers()  # ray.init replaced TERM's: a TERM while nodes join is kept too
-                break
-            except ConfigError as err:
-                if time.monotonic() > deadline:
-                    raise LaunchError(
-                        f"cannot connect to the Ray head at {plan.head_address}: {err}", EXIT_BRINGUP
-                    ) from None
-                time.sleep(1)
+        self._connect_to_head(deadline)
         try:
             said = time.monotonic()
             while True:
@@ -593,17 +583,7 @@ class Launcher:
                 missing = self.missing_nodes(table)
                 dead = [i for i, step in enumerate(self.steps) if step.poll() is not None and plan.nodes[i] in missing]
                 if dead and time.monotonic() < deadline:
-                    refused = {i for i in dead if self.node_error(i)}
-                    again = nodes_to_start_again(dead, refused, self.starts)
-                    for i in again:
-                        log.info(
-                            "ray start exited on %s before the node joined; starting it again (try %d of %d)",
-                            plan.nodes[i],
-                            self.starts[i] + 1,
-                            RAY_START_TRIES,
-                        )
-                        self.start_node(i)
-                    dead = [i for i in dead if i not in again]
+                    dead = self._start_again(dead)
                 if dead or time.monotonic() > deadline:
                     errors = [e for e in map(self.node_error, dead) if e]
                     why = (
@@ -623,6 +603,36 @@ class Launcher:
             # ray.init replaced SIGTERM's handler, and after shutdown a TERM (scancel) ended this process
             # at once, with no cleanup: take the launcher's back.
             self.install_signal_handlers()
+
+    def _connect_to_head(self, deadline: float) -> None:
+        """This process joins the Ray head as a driver, trying until `deadline` (the head may still be starting)."""
+        from raytrain_ddp.driver import preflight
+
+        while True:
+            try:
+                preflight.init_ray(self.plan.head_address, logging_level=logging.ERROR, log_to_driver=False)
+                self.install_signal_handlers()  # ray.init replaced TERM's: a TERM while nodes join is kept too
+                return
+            except ConfigError as err:
+                if time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"cannot connect to the Ray head at {self.plan.head_address}: {err}", EXIT_BRINGUP
+                    ) from None
+                time.sleep(1)
+
+    def _start_again(self, exited: list[int]) -> list[int]:
+        """Start again the exited nodes' `ray start` that may be (plan.nodes_to_start_again); the rest: still exited."""
+        refused = {i for i in exited if self.node_error(i)}
+        again = nodes_to_start_again(exited, refused, self.starts)
+        for i in again:
+            log.info(
+                "ray start exited on %s before the node joined; starting it again (try %d of %d)",
+                self.plan.nodes[i],
+                self.starts[i] + 1,
+                RAY_START_TRIES,
+            )
+            self.start_node(i)
+        return [i for i in exited if i not in again]
 
     def missing_nodes(self, table: list[dict]) -> dict[str, str]:
         """{slurm node: description} of the nodes not (yet) in the Ray cluster."""
