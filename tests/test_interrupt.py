@@ -33,6 +33,13 @@ def _wait_for_epoch_1(run_dir: Path, timeout: float = 300, alive=lambda: True) -
         time.sleep(0.2)
 
 
+def _cli(tmp_path: Path, name: str) -> list[str]:
+    """`python -m raytrain_ddp.run` with SMALL_LONG_RUN, on a local Ray it starts itself."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL_LONG_RUN.items() if not isinstance(v, bool)]
+    command = [sys.executable, "-m", "raytrain_ddp.run", *flags, "--no-report", "--no-tensorboard"]
+    return [*command, "--storage-path", str(tmp_path), "--name", name]
+
+
 def _in_a_terminal() -> None:
     """In the child: its own session, whose controlling terminal is the pty on stdin, and SIGINT as a shell's
     foreground job has it (a suite started in the background inherits it ignored, and exec keeps that)."""
@@ -42,11 +49,9 @@ def _in_a_terminal() -> None:
 
 def test_ctrl_c_in_a_terminal_exits_130_with_one_line_and_a_summary(tmp_path):
     run_dir = tmp_path / "ctrl-c"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL_LONG_RUN.items() if not isinstance(v, bool)]
     master, terminal = pty.openpty()
-    command = [sys.executable, "-m", "raytrain_ddp.run", *flags, "--no-report", "--no-tensorboard"]
     proc = subprocess.Popen(
-        [*command, "--storage-path", str(tmp_path), "--name", "ctrl-c"],
+        _cli(tmp_path, "ctrl-c"),
         cwd=REPO,
         stdin=terminal,
         stdout=terminal,
@@ -154,9 +159,7 @@ def test_a_cluster_whose_gcs_dies_ends_the_run_in_one_line_with_a_summary(tmp_pa
     the 15 s that a remote one gets are not waited): exit 1, the reason in one line, summary.json with the epochs
     done."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own, started by the command
-    run_dir, settings = tmp_path / "headless", ("--epochs", "30", "--train-size", "2048", "--val-size", "256")
-    command = [sys.executable, "-m", "raytrain_ddp.run", *settings, "--storage-path", str(tmp_path)]
-    command += ["--name", "headless", "--no-report", "--no-tensorboard"]
+    run_dir, command = tmp_path / "headless", _cli(tmp_path, "headless")
     run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_epoch_1(run_dir, alive=lambda: run.poll() is None)
