@@ -42,6 +42,8 @@ STATE_TRACKING_ENV = "RAY_TRAIN_ENABLE_STATE_TRACKING"  # the driver feeds the T
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # an actor per run watching Ray's node drains
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # where Ray's clients (the state API too) find the cluster
+# A node's log monitor with this many log files looks for new ones every 0.5 s, not 0.1 (ray._private.log_monitor)
+LOG_MONITOR_MANY_FILES_ENV = "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # a local start's GCS port (ray._private.ray_constants)
 
 # Token authentication (ray._private.authentication): the mode, and the token or the file that holds it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,9 @@ def test_a_failing_rank_is_named_with_its_error_and_the_callers_environment_reac
     ours = [line for line in result.stderr.splitlines() if not line.startswith("[rank 0] ")]  # not the script's
     assert not any("Traceback" in line for line in ours), result.stderr[-3000:]
     assert "rank 0 sees RUN_TAG=blue-42" in (run_dir / "logs" / "rank-0.log").read_text()
+    # the failed rank's temporary session folder is gone with it
+    (session,) = re.findall(r"the session folder (\S+)", (run_dir / "logs" / "rank-1.log").read_text())
+    assert "raytrain-session-" in session and not Path(session).exists(), session
     summary = _summary(run_dir)
     assert summary["status"] == "failed" and summary["restarts"] == 0 and "rank 1: ValueError" in summary["error"]
 

@@ -5,12 +5,14 @@ No Ray cluster: Ray's own constants and its snapshot schema (pydantic) are read,
 
 from __future__ import annotations
 
+import inspect
 import logging
 import tomllib
 from pathlib import Path
 
 import pytest
 import ray
+from support import processes_with
 
 from raytrain_ddp import _ray_compat
 
@@ -99,6 +101,18 @@ def test_the_workers_of_a_ray_we_start_know_its_address(ray_address):
         return os.environ.get("RAY_ADDRESS")
 
     assert ray.get(address_seen_by_a_worker.remote()) == ray_address
+
+
+@pytest.mark.ray
+def test_the_session_rays_log_monitor_looks_for_new_files_as_on_a_node_with_many(ray_address):
+    """The test session's Ray (conftest): its log monitor has the setting, which the installed Ray reads."""
+    from ray._private import log_monitor
+
+    assert f'os.getenv("{_ray_compat.LOG_MONITOR_MANY_FILES_ENV}"' in inspect.getsource(log_monitor)
+    here = f"--session-dir={_ray_compat.session_dir()}".encode()
+    (monitor,) = [pid for pid in processes_with(b"log_monitor.py") if here in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    environment = Path(f"/proc/{monitor}/environ").read_bytes().split(b"\0")
+    assert f"{_ray_compat.LOG_MONITOR_MANY_FILES_ENV}=0".encode() in environment
 
 
 def test_the_retry_rule_reaches_ray_trains_controller_without_torch():

@@ -112,6 +112,7 @@ class Supervisor:
         self.link = DriverLink(RayChannel(args.monitor), self.rank)
         self.heartbeat = Heartbeat(self.link.post, self.rank, self.link.stop_reason)
         self.heartbeat.at(PHASE, 0, self.heartbeat.meter)
+        self.closed = threading.Event()
         threading.Thread(target=self._beat_forever, daemon=True, name="supervisor").start()
 
     def announce(self, stack_pid: int | None) -> None:
@@ -151,8 +152,7 @@ class Supervisor:
 
     def _beat_forever(self) -> None:
         stop_passed, seen = False, (0, 0, self.cpu_of())
-        while True:
-            time.sleep(BEAT_S)
+        while not self.closed.wait(BEAT_S):
             try:
                 self.heartbeat.step_records.extend(self.channel.new_reports())
             except (OSError, ValueError):  # a line cut short is read whole next time; a bad one is the script's
@@ -192,9 +192,15 @@ class Supervisor:
         self.heartbeat.step_records.extend(self.channel.new_reports())
         self.heartbeat.send_step_records(self.link.add_step_records)
         self.logs.upload()
-        if isinstance(self.run_dir, RemotePath):  # the store holds what rank zero saved
-            shutil.rmtree(self.checkpoint.parent, ignore_errors=True)
         self.link.channel.post("worker_ended", self.rank)  # a Ctrl-C's grace waits no longer for this rank
+
+    def close(self) -> None:
+        """However the rank ended: no more beats, and its temporary folders go (the session's channel; with object
+        storage the local copy of the checkpoint folder, whose store copy holds what rank zero saved)."""
+        self.closed.set()
+        shutil.rmtree(self.channel.path, ignore_errors=True)
+        if isinstance(self.run_dir, RemotePath):
+            shutil.rmtree(self.checkpoint.parent, ignore_errors=True)
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -261,36 +267,39 @@ def run_script_per_worker(loop_config: dict) -> None:
             child.send_signal(_stop_signal(reason))
 
     supervisor = Supervisor(args, pass_stop)
-    env = _script_env(args, supervisor, master_addr, master_port)
-    cwd = args.cwd if os.path.isdir(args.cwd) else os.path.dirname(args.script)
-    log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", args.script, *args.script_args]
-    # a session of its own, as torchrun starts its workers: a terminal's Ctrl-C reaches it once, passed on by the
-    # driver (which then gives it a grace period), not also straight from the terminal
-    child = subprocess.Popen(
-        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    supervisor.cpu_of = lambda: _cpu_ticks(child.pid)
-    supervisor.announce(stack_pid=child.pid)
-    teed = args.tee == "all" or supervisor.rank == 0
-    tail = _pump_output(child, log_path, supervisor, teed)
-    returncode, exited_at = child.wait(), time.time()
-    supervisor.finish()
-    if supervisor.heartbeat.stop_reason:  # asked to stop: whatever the script did with the signal, it stopped
-        return
-    if returncode < 0:
-        raise ScriptKilled(f"killed by {signal.Signals(-returncode).name} ({log_path})", exited_at)
-    if returncode > 0 and (full := supervisor.channel.storage_full()) is not None:
-        raise full  # not a rank's failure: the run ends at once in the storage line, exit 74, no restart
-    if returncode > 0:
-        error = exception_of(tail) or "the script failed"
-        raise ScriptFailed(f"{error} (exit code {returncode}; {log_path})", exited_at)
-    if supervisor.world_size > 1 and not supervisor.channel.joined_process_group():
-        raise ScriptFailed(
-            f"the script never called torch.distributed.init_process_group: the {supervisor.world_size} ranks "
-            f"each ran it alone; call it once at the start (docs/launch.md)"
+    try:
+        env = _script_env(args, supervisor, master_addr, master_port)
+        cwd = args.cwd if os.path.isdir(args.cwd) else os.path.dirname(args.script)
+        log_path = supervisor.logs.local / rank_log("", supervisor.rank).name  # uploaded at the end if remote
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "raytrain_ddp.worker.script_runner", args.script, *args.script_args]
+        # a session of its own, as torchrun starts its workers: a terminal's Ctrl-C reaches it once, passed on by
+        # the driver (which then gives it a grace period), not also straight from the terminal
+        child = subprocess.Popen(
+            command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
+        supervisor.cpu_of = lambda: _cpu_ticks(child.pid)
+        supervisor.announce(stack_pid=child.pid)
+        teed = args.tee == "all" or supervisor.rank == 0
+        tail = _pump_output(child, log_path, supervisor, teed)
+        returncode, exited_at = child.wait(), time.time()
+        supervisor.finish()
+        if supervisor.heartbeat.stop_reason:  # asked to stop: whatever the script did with the signal, it stopped
+            return
+        if returncode < 0:
+            raise ScriptKilled(f"killed by {signal.Signals(-returncode).name} ({log_path})", exited_at)
+        if returncode > 0 and (full := supervisor.channel.storage_full()) is not None:
+            raise full  # not a rank's failure: the run ends at once in the storage line, exit 74, no restart
+        if returncode > 0:
+            error = exception_of(tail) or "the script failed"
+            raise ScriptFailed(f"{error} (exit code {returncode}; {log_path})", exited_at)
+        if supervisor.world_size > 1 and not supervisor.channel.joined_process_group():
+            raise ScriptFailed(
+                f"the script never called torch.distributed.init_process_group: the {supervisor.world_size} ranks "
+                f"each ran it alone; call it once at the start (docs/launch.md)"
+            )
+    finally:
+        supervisor.close()
 
 
 def _pump_output(child: subprocess.Popen, log_path: Path, supervisor: Supervisor, teed: bool) -> collections.deque:
@@ -360,3 +369,4 @@ def run_function_per_worker(loop_config: dict) -> None:
     finally:
         session.upload_checkpoint()
         supervisor.finish()
+        supervisor.close()
