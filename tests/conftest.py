@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -50,24 +49,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return LaneScheduling(config, log)
 
 
-@contextlib.contextmanager
-def _log_monitor_many_files_mode():
-    """Ray's log monitor looks for new log files every 0.5 s, not every 0.1 s, for the Ray started inside (its
-    own setting for nodes with many files): the session's Ray gathers hundreds of worker logs, and scanning them
-    ten times a second was its largest idle cost (91 CPU seconds of a 36-minute suite)."""
-    from raytrain_ddp._ray_compat import LOG_MONITOR_MANY_FILES_ENV
-
-    before = os.environ.get(LOG_MONITOR_MANY_FILES_ENV)
-    os.environ[LOG_MONITOR_MANY_FILES_ENV] = "0"
-    try:
-        yield
-    finally:  # not for the Rays of the commands the tests run: those start as a user's do
-        if before is None:
-            del os.environ[LOG_MONITOR_MANY_FILES_ENV]
-        else:
-            os.environ[LOG_MONITOR_MANY_FILES_ENV] = before
-
-
 @pytest.fixture(scope="session")
 def ray_address() -> str:
     """A real local Ray (3 logical CPUs: 2 workers + data loading), shared by the session.
@@ -77,13 +58,18 @@ def ray_address() -> str:
     """
     import ray
 
+    from raytrain_ddp._ray_compat import LOG_MONITOR_MANY_FILES_ENV
     from raytrain_ddp.driver.preflight import init_ray
 
     _export_s3_credentials()
 
     # "local": a new Ray of our own, never one that `ray start` left on this machine (the Slurm testbed's);
-    # started as fit() starts one, so its workers know its address (RAY_ADDRESS)
-    with _log_monitor_many_files_mode():
+    # started as fit() starts one, so its workers know its address (RAY_ADDRESS). Its log monitor looks for new
+    # log files every 0.5 s, not 0.1 (Ray's setting for nodes with many): this Ray gathers hundreds of worker
+    # logs, and that scan was its largest idle cost (91 CPU seconds of a 36-minute suite). Set only while it
+    # starts: the commands the tests run start their Rays as a user's do.
+    with pytest.MonkeyPatch.context() as starting:
+        starting.setenv(LOG_MONITOR_MANY_FILES_ENV, "0")
         init_ray(
             "local",
             num_cpus=3,
